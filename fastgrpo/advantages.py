@@ -1,0 +1,62 @@
+"""Group statistics -> advantages.
+
+Legend: B prompts, G completions per prompt, S = B*G sequences (rows are grouped: row s belongs to prompt s // G).
+
+    A_s = r_s - mean_group(r)                     (always: group mean-centring)
+    A_s /= std_group(r) + eps     if scale == "group"   (GRPO / DeepSeekMath)
+    A_s /= std_batch(r) + eps     if scale == "batch"   (Lite PPO's batch-level scaling)
+    (no scaling)                  if scale == "none"    (Dr. GRPO: std scaling biases towards easy/hard prompts)
+
+std is the unbiased sample std, as in TRL, so numbers are comparable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EPS = 1e-4
+
+
+@dataclass
+class AdvantageResult:
+    advantages: torch.Tensor
+    """[S] float32."""
+    group_std: torch.Tensor
+    """[B] std of each group's rewards."""
+    zero_std_mask: torch.Tensor
+    """[B] bool: groups whose G rewards are all equal (their advantages are 0 and carry no signal)."""
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "group") -> AdvantageResult:
+    """Group-centred (optionally scaled) advantages of ``rewards`` [S], S a multiple of ``group_size``."""
+    if rewards.ndim != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be [B*G] with G={group_size}, got shape {tuple(rewards.shape)}")
+    grouped = rewards.float().view(-1, group_size)  # [B, G]
+    mean = grouped.mean(dim=1, keepdim=True)  # [B, 1]
+    std = grouped.std(dim=1)  # [B]
+    centred = grouped - mean  # [B, G]
+    if scale == "group":
+        centred = centred / (std[:, None] + EPS)
+    elif scale == "batch":
+        centred = centred / (rewards.float().std() + EPS)
+    elif scale != "none":
+        raise ValueError(f"scale_rewards must be group, batch or none, got {scale!r}")
+    zero = (grouped.max(dim=1).values - grouped.min(dim=1).values) == 0  # [B]
+    return AdvantageResult(advantages=centred.reshape(-1), group_std=std, zero_std_mask=zero)
+
+
+def advantage_metrics(res: AdvantageResult) -> dict[str, torch.Tensor]:
+    """Device-side statistics, reduced once per step by the metrics module."""
+    a = res.advantages
+    return {
+        "adv/mean": a.mean(),
+        "adv/std": a.std() if a.numel() > 1 else a.new_zeros(()),
+        "adv/abs_mean": a.abs().mean(),
+        "adv/max": a.max(),
+        "adv/min": a.min(),
+        "groups/zero_std_frac": res.zero_std_mask.float().mean(),
+        "groups/zero_std_count": res.zero_std_mask.float().sum(),
+        "groups/reward_std_mean": res.group_std.mean(),
+    }

@@ -1,0 +1,154 @@
+"""Checkpoints: sharded, atomic save and resume with torch.distributed.checkpoint (DCP); Hugging Face export.
+
+Layout of a run folder::
+
+    runs/<name>/checkpoints/step_000010/      a complete checkpoint (only complete ones carry this name)
+        model_optim/                          DCP: model + optimizer, sharded, reshardable on load
+        trainer_state.pt                      step, scheduler, data sampler (rank 0)
+        rng_rank{r}.pt                        each rank's RNG state
+    runs/<name>/checkpoints/.tmp_step_000010/ a save in progress; never read, removed on the next save
+    runs/<name>/final/                        Hugging Face export (safetensors, config, tokenizer)
+
+Atomicity: everything is written under a temporary name and renamed once every rank has finished (rename is atomic
+on POSIX filesystems), so a run killed at any instant leaves either the previous checkpoint or the new one, never a
+half-written one. Resuming on a different world size works: DCP reshards the model and optimizer; RNG states of
+ranks that did not exist before are left as seeded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints as (step, path), oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = []
+    for p in ckpt_dir.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    trainer_state: dict[str, Any], keep_last: int) -> Path:
+    """Save atomically as ``ckpt_dir/step_{step}``; keep the newest ``keep_last``. Collective: call on every rank."""
+    final = ckpt_dir / f"step_{step:06d}"
+    tmp = ckpt_dir / f".tmp_step_{step:06d}"
+    if _rank() == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # a save that a killed run left half-written
+        tmp.mkdir()
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "model_optim"))
+    torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    if _rank() == 0:
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+    _barrier()
+    if _rank() == 0:
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if final.exists():  # re-saving the same step (resumed exactly at it): replace
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(ckpt_dir)
+        for _, old in list_checkpoints(ckpt_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:
+    """'auto' -> newest complete checkpoint (or None); 'never' -> None; otherwise an explicit checkpoint folder."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        found = list_checkpoints(ckpt_dir)
+        return found[-1][1] if found else None
+    path = Path(resume)
+    if not (path / "trainer_state.pt").is_file():
+        raise ValueError(f"checkpoint.resume: {resume!r} is not a checkpoint folder (no trainer_state.pt)")
+    return path
+
+
+def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG in place; return the trainer state (step, scheduler, data)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path / "model_optim"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_file = path / f"rng_rank{_rank()}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return torch.load(path / "trainer_state.pt", weights_only=False)
+
+
+def export_hf(out_dir: Path, *, model: torch.nn.Module, tokenizer: Any) -> Path | None:
+    """Write a Hugging Face folder (safetensors, config, tokenizer) that from_pretrained and vLLM load.
+
+    Gathers the full (unsharded) state dict onto rank 0's CPU; written under a temporary name and renamed.
+    """
+    full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if _rank() == 0:
+        tmp = out_dir.with_name(f".tmp_{out_dir.name}")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        model.save_pretrained(tmp, state_dict=full_sd, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    _barrier()
+    return out_dir if _rank() == 0 else None

@@ -1,0 +1,143 @@
+"""Countdown problems: a seeded generator, an exhaustive solver, and train/held-out splits.
+
+A problem is a row ``{"nums": [int, ...], "target": int}``: reach ``target`` with ``+ - * /`` using every
+number exactly once (the rules the ``countdown`` reward checks).
+
+Generation, like the public Countdown-Tasks-3to4 sets: draw min_numbers..max_numbers numbers uniformly from
+1..max_value (repeats allowed), then combine them in a random order with random operations, keeping every
+intermediate a positive integer (Countdown's rules: no zero, negatives or fractions along the way), until
+all are used. The final value is the target; it is kept when it lies in 1..max_target (default 100), else
+another expression (and, after a few tries, another draw) is tried. So every target is reachable by
+construction; :func:`solve` is the independent check (tests run it on every generated problem). The
+solver searches over all rational intermediates, a superset of what the generator uses.
+"""
+
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+from typing import Any, Hashable, Iterable
+
+MAX_TARGET = 100
+"""Generated targets lie in 1..MAX_TARGET (like Countdown-Tasks-3to4's)."""
+_TRIES_PER_DRAW = 8
+
+
+def problem_key(row: dict[str, Any]) -> Hashable:
+    """Canonical identity of a problem: the same numbers in any order with the same target are one problem."""
+    return tuple(sorted(int(n) for n in row["nums"])), int(row["target"])
+
+
+def _random_value(rng: random.Random, nums: list[int]) -> int:
+    """Fold ``nums`` with random operations, keeping intermediates positive integers."""
+    pool = list(nums)
+    while len(pool) > 1:
+        a = pool.pop(rng.randrange(len(pool)))
+        b = pool.pop(rng.randrange(len(pool)))
+        hi, lo = max(a, b), min(a, b)
+        options = [hi + lo, hi * lo]
+        if hi != lo:
+            options.append(hi - lo)
+        if hi % lo == 0:
+            options.append(hi // lo)
+        pool.append(rng.choice(options))
+    return pool[0]
+
+
+def generate_problem(
+    rng: random.Random, *, min_numbers: int = 3, max_numbers: int = 4, max_value: int = 99,
+    max_target: int = MAX_TARGET,
+) -> dict[str, Any]:
+    """One solvable problem drawn from ``rng`` (see the module docstring for the distribution)."""
+    while True:
+        nums = [rng.randint(1, max_value) for _ in range(rng.randint(min_numbers, max_numbers))]
+        for _ in range(_TRIES_PER_DRAW):
+            target = _random_value(rng, nums)
+            if 1 <= target <= max_target:
+                return {"nums": nums, "target": target}
+
+
+def generate_problems(
+    n: int, *, seed: int | str, exclude: Iterable[Hashable] = (), min_numbers: int = 3, max_numbers: int = 4,
+    max_value: int = 99, max_target: int = MAX_TARGET,
+) -> list[dict[str, Any]]:
+    """``n`` distinct problems (by :func:`problem_key`), none of whose keys is in ``exclude``.
+
+    Deterministic given ``seed`` and the other arguments. Raises ValueError when the problem space is too
+    small to yield ``n`` distinct problems (e.g. max_value=2).
+    """
+    rng = random.Random(seed)
+    seen = set(exclude)
+    rows: list[dict[str, Any]] = []
+    budget = 50 * n + 1000
+    for _ in range(budget):
+        if len(rows) == n:
+            break
+        row = generate_problem(
+            rng, min_numbers=min_numbers, max_numbers=max_numbers, max_value=max_value, max_target=max_target
+        )
+        key = problem_key(row)
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
+    if len(rows) < n:
+        raise ValueError(
+            f"countdown: found only {len(rows)} distinct problems of the {n} asked for; widen data.max_value "
+            "or the data.min_numbers..data.max_numbers range, or ask for fewer"
+        )
+    return rows
+
+
+def countdown_splits(
+    *, num_train: int, num_eval: int, seed: int, min_numbers: int = 3, max_numbers: int = 4, max_value: int = 99,
+    max_target: int = MAX_TARGET,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train, eval) problem lists that share no :func:`problem_key`.
+
+    The held-out split is drawn first from its own stream, so it does not change when num_train does.
+    """
+    kw = dict(min_numbers=min_numbers, max_numbers=max_numbers, max_value=max_value, max_target=max_target)
+    eval_rows = generate_problems(num_eval, seed=f"countdown-eval-{seed}", **kw)
+    train_rows = generate_problems(
+        num_train, seed=f"countdown-train-{seed}", exclude=[problem_key(r) for r in eval_rows], **kw
+    )
+    return train_rows, eval_rows
+
+
+def solve(nums: Iterable[int], target: int) -> str | None:
+    """An expression using each of ``nums`` once that equals ``target`` exactly, or None if none exists.
+
+    Exhaustive search: repeatedly replace two values by their sum, product, either difference or either
+    quotient (rational arithmetic). A multiset of values already proven unable to reach the target is
+    remembered, which keeps 4 numbers to a few milliseconds and makes 5-6 feasible.
+    """
+    goal = Fraction(target)
+    dead: set[tuple[Fraction, ...]] = set()
+
+    def search(items: list[tuple[Fraction, str]]) -> str | None:
+        if len(items) == 1:
+            return items[0][1] if items[0][0] == goal else None
+        key = tuple(sorted(v for v, _ in items))
+        if key in dead:
+            return None
+        for i in range(len(items)):
+            for j in range(i + 1, len(items)):
+                (a, ea), (b, eb) = items[i], items[j]
+                rest = items[:i] + items[i + 1:j] + items[j + 1:]
+                steps = [(a + b, f"({ea} + {eb})"), (a * b, f"({ea} * {eb})"),
+                         (a - b, f"({ea} - {eb})"), (b - a, f"({eb} - {ea})")]
+                if b:
+                    steps.append((a / b, f"({ea} / {eb})"))
+                if a:
+                    steps.append((b / a, f"({eb} / {ea})"))
+                for step in steps:
+                    found = search(rest + [step])
+                    if found is not None:
+                        return found
+        dead.add(key)
+        return None
+
+    expr = search([(Fraction(int(n)), str(int(n))) for n in nums])
+    if expr is not None and expr.startswith("(") and expr.endswith(")"):
+        expr = expr[1:-1]  # the outermost pair always wraps the whole expression (one binary op)
+    return expr

@@ -1,0 +1,176 @@
+"""Datasets from json/jsonl/parquet files or the Hugging Face hub, through ``datasets``, with row validation.
+
+DataConfig.source is a path (``.json``, ``.jsonl``, ``.parquet`` file, or a folder ``datasets`` can read) or a
+hub id, optionally with a config name after a colon (``openai/gsm8k:main``). A hub id needs network (or a
+filled ``datasets`` cache with ``HF_DATASETS_OFFLINE=1``); the CPU test environment has none, so tests use
+local files only.
+
+The task is recognised from the columns: each entry of SCHEMAS names its required columns with a checker per
+column. A row with a missing or ill-typed required field raises ``ValueError`` naming the row index and the
+field; with ``skip_invalid_rows`` such rows are dropped and counted instead. Other columns pass through
+untouched (reward functions receive every column).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Hashable
+
+from fastgrpo.data.countdown import problem_key
+
+_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+class _BadField(Exception):
+    """Raised by a column checker; the message says what is wrong with the value."""
+
+
+def _int(value: Any) -> int:
+    # bool is an int subclass but never a meaningful number here; integral floats come from json/parquet
+    # columns that mixed ints with nulls or floats.
+    if isinstance(value, bool):
+        raise _BadField(f"must be an integer, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not hasattr(value, "__index__"):
+        raise _BadField(f"must be an integer, got {value!r}")
+    return int(value)
+
+
+def _int_list(value: Any) -> list[int]:
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise _BadField(f"must be a list of integers, got {value!r}")
+    items = list(value)
+    if not items:
+        raise _BadField("must be a non-empty list of integers")
+    try:
+        return [_int(v) for v in items]
+    except _BadField:
+        raise _BadField(f"must be a list of integers, got {value!r}") from None
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _BadField(f"must be a string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schema:
+    """Required columns of one task's rows."""
+
+    task: str
+    """Task name (row["task"]; picks the prompt template's user message)."""
+    columns: dict[str, Callable[[Any], Any]]
+    """Column -> checker returning the normalised value (raises _BadField otherwise)."""
+    key: Callable[[dict[str, Any]], Hashable]
+    """Canonical identity of a row, for keeping held-out rows out of training."""
+
+
+SCHEMAS: dict[str, Schema] = {
+    "countdown": Schema(task="countdown", columns={"nums": _int_list, "target": _int}, key=problem_key),
+    "gsm8k": Schema(task="gsm8k", columns={"question": _str, "answer": _str}, key=lambda r: r["question"]),
+}
+"""Task name -> schema; a file's columns select the first schema whose required columns it has."""
+
+
+def detect_schema(column_names: list[str]) -> Schema:
+    for schema in SCHEMAS.values():
+        if set(schema.columns) <= set(column_names):
+            return schema
+    wanted = "; ".join(f"{name}: {sorted(s.columns)}" for name, s in SCHEMAS.items())
+    raise ValueError(f"dataset columns {sorted(column_names)} match no known task (needed columns: {wanted})")
+
+
+def validate_rows(
+    rows: list[dict[str, Any]], schema: Schema, *, skip_invalid_rows: bool = False
+) -> tuple[list[dict[str, Any]], int]:
+    """Check and normalise the required fields: returns (valid rows, number skipped)."""
+    valid, skipped = [], 0
+    for i, row in enumerate(rows):
+        fixed, problem = dict(row), None
+        for column, check in schema.columns.items():
+            try:
+                if row.get(column) is None:  # a column absent from some json lines reads as null
+                    raise _BadField("is missing")
+                fixed[column] = check(row[column])
+            except _BadField as e:
+                problem = f"row {i}: field {column!r} {e}"
+                break
+        if problem is not None:
+            if not skip_invalid_rows:
+                raise ValueError(f"{problem} (set data.skip_invalid_rows=true to skip and count such rows)")
+            skipped += 1
+            continue
+        valid.append(fixed)
+    return valid, skipped
+
+
+def load_source_rows(source: str, *, split: str, cache_dir: str | None = None) -> list[dict[str, Any]]:
+    """Rows of a local file/folder or a hub dataset, as plain dicts."""
+    import datasets  # heavy; only needed for file and hub sources
+
+    path = Path(source).expanduser()
+    if path.suffix in _FILE_FORMATS:
+        if not path.is_file():
+            raise ValueError(f"data.source: file {str(path)!r} does not exist")
+        # A single file is one split; datasets names it "train" whatever data.split says.
+        ds = datasets.load_dataset(
+            _FILE_FORMATS[path.suffix], data_files=str(path), split="train", cache_dir=cache_dir
+        )
+    elif path.is_dir():
+        ds = datasets.load_dataset(str(path), split=split, cache_dir=cache_dir)
+    else:
+        name, _, config = source.partition(":")
+        try:
+            ds = datasets.load_dataset(name, config or None, split=split, cache_dir=cache_dir)
+        except Exception as e:
+            raise ValueError(
+                f"data.source: could not load {source!r} (split {split!r}) as a Hugging Face hub dataset: {e}. "
+                "A hub id needs network or a filled datasets cache; a local path must end in "
+                f"{sorted(_FILE_FORMATS)} or be a folder"
+            ) from e
+    return ds.to_list()
+
+
+def file_splits(
+    source: str, *, split: str, eval_split: str | None, num_eval: int, seed: int, skip_invalid_rows: bool,
+    cache_dir: str | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """(train rows, eval rows, info) from a file or hub source; rows carry ``"task"``.
+
+    Held-out rows come from ``eval_split`` when given, else ``num_eval`` rows are carved off by a seeded
+    shuffle. Either way, training rows whose key (see Schema.key) equals a held-out row's are dropped and
+    counted: public sets contain duplicates, and an eval prompt seen in training measures nothing.
+    """
+    raw = load_source_rows(source, split=split, cache_dir=cache_dir)
+    if not raw:
+        raise ValueError(f"data.source: {source!r} (split {split!r}) has no rows")
+    schema = detect_schema(list(raw[0]))
+    rows, skipped = validate_rows(raw, schema, skip_invalid_rows=skip_invalid_rows)
+    skipped_eval = 0
+    if eval_split is not None:
+        eval_rows, skipped_eval = validate_rows(
+            load_source_rows(source, split=eval_split, cache_dir=cache_dir), schema,
+            skip_invalid_rows=skip_invalid_rows,
+        )
+        train_rows = rows
+    else:
+        order = list(range(len(rows)))
+        random.Random(f"holdout-{seed}").shuffle(order)
+        eval_rows = [rows[i] for i in order[:num_eval]]
+        train_rows = [rows[i] for i in sorted(order[num_eval:])]
+    eval_keys = {schema.key(r) for r in eval_rows}
+    kept = [r for r in train_rows if schema.key(r) not in eval_keys]
+    if not kept:
+        raise ValueError(f"data.source: {source!r} leaves no training rows after holding out {len(eval_rows)}")
+    for r in kept + eval_rows:
+        r["task"] = schema.task
+    info = {
+        "task": schema.task,
+        "skipped_invalid_rows": skipped + skipped_eval,
+        "removed_eval_overlap": len(train_rows) - len(kept),
+    }
+    return kept, eval_rows, info

@@ -1,0 +1,84 @@
+"""Prompt templates: a row of a task -> the prompt text the policy continues.
+
+Two templates (DataConfig.template):
+
+- ``chat``: system message (DataConfig.system_prompt, omitted when empty) + the task's user message, rendered
+  with the tokenizer's own chat template and the assistant turn opened (``add_generation_prompt=True``).
+- ``base``: plain text for base models (TinyZero style): a short framing, the user message, and an
+  assistant turn that has already opened ``<think>``. The ``format`` reward sees that the prompt ends in
+  ``<think>`` and treats the completion as starting inside the thinking block. The system prompt is not used.
+
+Each task contributes one function row -> user message (USER_MESSAGES); each template one function
+(TEMPLATES). Adding a task or template is one entry, not a branch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+BASE_PREAMBLE = (
+    "A chat between a User and an Assistant. The User poses a problem and the Assistant works it out: "
+    "it reasons privately first, then states its answer."
+)
+BASE_ASSISTANT_OPENING = "Let me work through this step by step.\n<think>"
+
+
+def countdown_user_message(row: dict[str, Any]) -> str:
+    nums = ", ".join(str(n) for n in row["nums"])
+    return (
+        f"Make an equation that equals {row['target']} from the numbers [{nums}]. You may use +, -, * and / "
+        "and parentheses, and each number must be used exactly once. Reason inside <think> </think> tags, "
+        "then write only the final equation inside <answer> </answer> tags, for example "
+        "<answer> (7 - 3) * 2 </answer>."
+    )
+
+
+def gsm8k_user_message(row: dict[str, Any]) -> str:
+    return (
+        f"{row['question']}\nReason inside <think> </think> tags, then write only the final number inside "
+        "<answer> </answer> tags."
+    )
+
+
+def toy_user_message(row: dict[str, Any]) -> str:
+    return row["prompt"]
+
+
+USER_MESSAGES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "countdown": countdown_user_message,
+    "gsm8k": gsm8k_user_message,
+    "toy": toy_user_message,
+}
+"""Task name -> row -> user message."""
+
+
+def _render_chat(user: str, *, system_prompt: str, tokenizer: Any) -> str:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "data.template='chat' needs a tokenizer with a chat template; this one has none "
+            "(use data.template='base' for base models)"
+        )
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": user}
+    ]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _render_base(user: str, *, system_prompt: str, tokenizer: Any) -> str:
+    return f"{BASE_PREAMBLE}\nUser: {user}\nAssistant: {BASE_ASSISTANT_OPENING}"
+
+
+TEMPLATES: dict[str, Callable[..., str]] = {"chat": _render_chat, "base": _render_base}
+"""Template name -> (user message, system_prompt=, tokenizer=) -> prompt text."""
+
+
+def render_prompt(
+    row: dict[str, Any], *, template: str, system_prompt: str = "", tokenizer: Any = None, task: str | None = None
+) -> str:
+    """Prompt text for one row. ``task`` defaults to ``row["task"]`` (set by build_datasets)."""
+    task = task if task is not None else row.get("task")
+    if task not in USER_MESSAGES:
+        raise ValueError(f"render_prompt: unknown task {task!r}; known tasks: {sorted(USER_MESSAGES)}")
+    if template not in TEMPLATES:
+        raise ValueError(f"render_prompt: unknown template {template!r}; known templates: {sorted(TEMPLATES)}")
+    return TEMPLATES[template](USER_MESSAGES[task](row), system_prompt=system_prompt, tokenizer=tokenizer)

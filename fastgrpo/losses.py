@@ -1,0 +1,83 @@
+"""Loss types as per-token weights.
+
+Legend: S sequences in the *global* batch (all ranks), L_i completion length of sequence i, L_max the configured
+max_completion_length, N completion tokens held by this rank (flat layout: sequence i's tokens are contiguous).
+
+The fused kernel computes ``sum_n w_n * l_n`` (fastgrpo.kernels.linear_grpo_loss). Every loss type is therefore one
+small function that returns w, decided once per step over the global batch, so the gradient does not depend on the
+micro-batch budget or the world size:
+
+    grpo     w_{i,t} = 1 / (S * L_i)        sequence mean, then batch mean (TRL "grpo")
+    dapo     w_{i,t} = 1 / sum_i L_i        token mean over the global batch (TRL "dapo"; alias "bnpo")
+    dr_grpo  w_{i,t} = 1 / (S * L_max)      constant normaliser (Dr. GRPO; easy-GRPO's 1/(B*L))
+
+With FSDP the per-rank gradients are *summed* (see parallelize.py), so these global weights give exactly the
+single-process gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """Step-wide totals over every rank, computed once before the update."""
+
+    num_sequences: int
+    """S."""
+    num_tokens: int
+    """sum_i L_i."""
+    max_completion_length: int
+    """L_max (the configured limit, not the observed maximum: a constant normaliser is the point of dr_grpo)."""
+
+
+# name -> fn(lengths [S_local] long, counts) -> per-sequence weight [S_local] float32 (broadcast over its tokens)
+LOSS_TYPES: dict[str, Callable[[torch.Tensor, GlobalCounts], torch.Tensor]] = {}
+
+
+def register_loss_type(*names: str):
+    def deco(fn):
+        for n in names:
+            LOSS_TYPES[n] = fn
+        return fn
+
+    return deco
+
+
+@register_loss_type("grpo")
+def _grpo(lengths: torch.Tensor, c: GlobalCounts) -> torch.Tensor:
+    return 1.0 / (c.num_sequences * lengths.clamp(min=1).float())
+
+
+@register_loss_type("dapo", "bnpo")
+def _dapo(lengths: torch.Tensor, c: GlobalCounts) -> torch.Tensor:
+    return torch.full(lengths.shape, 1.0 / max(c.num_tokens, 1), dtype=torch.float32, device=lengths.device)
+
+
+@register_loss_type("dr_grpo")
+def _dr_grpo(lengths: torch.Tensor, c: GlobalCounts) -> torch.Tensor:
+    return torch.full(lengths.shape, 1.0 / (c.num_sequences * c.max_completion_length), dtype=torch.float32,
+                      device=lengths.device)
+
+
+def token_weights(loss_type: str, lengths: torch.Tensor, counts: GlobalCounts) -> torch.Tensor:
+    """Per-token weights [N] in the flat layout, for this rank's sequences of completion ``lengths`` [S_local]."""
+    try:
+        fn = LOSS_TYPES[loss_type]
+    except KeyError:
+        raise ValueError(f"grpo.loss_type: unknown {loss_type!r}; known: {sorted(LOSS_TYPES)}") from None
+    per_seq = fn(lengths, counts)  # [S_local]
+    return torch.repeat_interleave(per_seq, lengths)  # [N]
+
+
+def truncated_importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per-token truncated importance weight min(pi_old / pi_sampler, cap) [N] (TRL's default TIS correction).
+
+    Multiplied into the token weights, it corrects the mismatch between the sampler (vLLM's kernels) and the trainer
+    without touching the loss itself; it is a constant (no gradient).
+    """
+    return torch.exp(old_logprobs - sampler_logprobs).clamp(max=cap).detach()

@@ -1,0 +1,159 @@
+"""Metrics: device-side accumulation, one reduction per step, and sinks (progress bar, jsonl, wandb).
+
+Inside a micro-batch nothing leaves the device: values are added as tensors into a StepMetrics and only
+``StepMetrics.reduce()`` (once per step) all-reduces across ranks and converts to Python floats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class StepMetrics:
+    """Accumulates named scalars as device tensors: ``add`` for means (weighted), ``set`` for step-level values."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, torch.Tensor] = {}
+        self._weights: dict[str, torch.Tensor | float] = {}
+        self._max: dict[str, torch.Tensor] = {}
+        self._total: dict[str, torch.Tensor] = {}
+        self._host: dict[str, float] = {}
+
+    def add(self, name: str, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
+        """Running weighted mean of ``value`` (a 0-d tensor)."""
+        v = value.detach().float() * weight
+        self._sums[name] = self._sums[name] + v if name in self._sums else v
+        self._weights[name] = self._weights.get(name, 0.0) + weight
+
+    def set(self, name: str, value: torch.Tensor) -> None:
+        """A step-level device value, averaged over ranks."""
+        self._sums[name] = value.detach().float()
+        self._weights[name] = 1.0
+
+    def total(self, name: str, value: torch.Tensor) -> None:
+        """A sum over micro-batches and ranks (e.g. the loss, whose token weights are global-batch shares)."""
+        v = value.detach().float()
+        self._total[name] = self._total[name] + v if name in self._total else v
+
+    def max(self, name: str, value: torch.Tensor) -> None:
+        """A step-level maximum over micro-batches and ranks."""
+        v = value.detach().float()
+        self._max[name] = torch.maximum(self._max[name], v) if name in self._max else v
+
+    def host(self, name: str, value: float) -> None:
+        """A value already on the host (timings, counts): taken from rank 0, not reduced."""
+        self._host[name] = float(value)
+
+    def reduce(self) -> dict[str, float]:
+        """One host sync: stack, all-reduce across ranks, and return floats."""
+        out: dict[str, float] = {}
+        names = list(self._sums)
+        if names:
+            means = torch.stack([self._sums[n] / self._weights[n] for n in names])  # [M]
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(means, op=dist.ReduceOp.SUM)
+                means /= dist.get_world_size()
+            out.update(zip(names, means.cpu().tolist()))
+        for store, op in ((self._total, "SUM"), (self._max, "MAX")):
+            if store:
+                keys = list(store)
+                vals = torch.stack([store[n] for n in keys])  # [M]
+                if dist.is_available() and dist.is_initialized():
+                    dist.all_reduce(vals, op=getattr(dist.ReduceOp, op))
+                out.update(zip(keys, vals.cpu().tolist()))
+        out.update(self._host)
+        return out
+
+
+class Timer:
+    """Wall-clock seconds of a block (synchronises CUDA so GPU work is counted where it happens)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> "Timer":
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self._t0
+
+
+class JsonlSink:
+    """Appends one JSON object per line; flushed per write so a killed run keeps every finished step."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record, default=float) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def check_wandb_available() -> None:
+    """Fail early, with the install command, when report_to names wandb but it is not installed."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ImportError("log.report_to includes 'wandb' but wandb is not installed: "
+                          "pip install 'fastgrpo[wandb]'  (or remove wandb from log.report_to)") from None
+
+
+class WandbSink:
+    """wandb run; offline mode when no API key is configured, so a run never blocks on a login prompt."""
+
+    def __init__(self, project: str, name: str, config: dict, run_dir: Path) -> None:
+        check_wandb_available()
+        import wandb
+
+        mode = None
+        if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+            mode = "offline"
+        self._run = wandb.init(project=project, name=name, config=config, dir=str(run_dir), mode=mode,
+                               resume="allow")
+
+    def write(self, record: dict) -> None:
+        step = int(record.get("step", 0))
+        self._run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class ProgressBar:
+    """tqdm bar: step, reward, completion length, tokens/s and ETA."""
+
+    def __init__(self, total: int, initial: int, enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, initial=initial, disable=not enabled, desc="grpo", unit="step",
+                         dynamic_ncols=True)
+
+    def update(self, record: dict) -> None:
+        self._bar.set_postfix({
+            "reward": f"{record.get('reward/mean', float('nan')):.3f}",
+            "len": f"{record.get('completion/len_mean', float('nan')):.0f}",
+            "tok/s": f"{record.get('perf/tokens_per_s', float('nan')):.0f}",
+        }, refresh=False)
+        self._bar.update(1)
+
+    def write(self, msg: str) -> None:
+        self._bar.write(msg)
+
+    def close(self) -> None:
+        self._bar.close()

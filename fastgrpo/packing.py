@@ -1,0 +1,304 @@
+"""Sequence packing: variable-length sequences -> token-budget micro-batches without padding.
+
+Each micro-batch is one row ``[1, T]`` holding whole sequences back to back (prompt then completion);
+``position_ids`` restart at 0 for every sequence so that the attention backend keeps sequences apart and
+rotary embeddings see the same positions as an unpadded forward. Only the positions whose hidden state
+predicts a completion token are kept after the trunk, so the lm_head runs on completion tokens only.
+
+Shape legend:
+  S  sequences in the batch (this rank's)           F  completion tokens of all S sequences (flat layout)
+  T  tokens in one packed row                        N  completion tokens in one micro-batch
+  H  hidden size                                     V  vocabulary size
+  K  sequences in one micro-batch
+
+Flat layout: sequence i's completion tokens occupy ``offsets[i] : offsets[i] + L_i`` where ``offsets`` is the
+exclusive cumulative sum of the completion lengths L. Per-token tensors of the step (advantage, token weight,
+old/ref log-prob) live in this layout and a micro-batch reads them with ``flat_index``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# ----------------------------------------------------------------------------------------------------------------
+# Planning: which sequences go into which micro-batch (pure Python on lengths)
+
+
+def _check_lengths(lengths: Sequence[int], name: str = "lengths") -> None:
+    for i, n in enumerate(lengths):
+        if int(n) < 1:
+            raise ValueError(f"{name}[{i}] = {n}: every sequence needs at least one token")
+
+
+def completion_offsets(completion_lengths: Sequence[int]) -> list[int]:
+    """Exclusive cumulative sum of completion lengths: where each sequence starts in the flat layout."""
+    return [0, *itertools.accumulate(completion_lengths)][:-1] if completion_lengths else []
+
+
+def plan_microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """First-fit-decreasing bin packing of sequence indices under a token budget.
+
+    lengths[i] is sequence i's total length (prompt + completion). Sequences are placed longest first, each
+    into the first bin with room. A sequence longer than ``max_tokens`` cannot be split (attention needs the
+    whole sequence in one forward), so it gets a bin of its own that exceeds the budget; callers that need a
+    hard memory bound must cap prompt + completion length instead. Each bin lists indices in ascending order;
+    bins come in creation order (largest first). FFD uses at most 11/9 OPT + 6/9 bins.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    _check_lengths(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - n)  # negative for an oversize sequence: nothing else fits there
+    return [sorted(b) for b in bins]
+
+
+def partition_balanced(lengths: Sequence[int], k: int) -> list[list[int]]:
+    """Karmarkar-Karp largest differencing: k parts of sequence indices with near-equal token sums.
+
+    Every item starts as a k-way partial partition (itself in one part, k-1 empty parts). The two partial
+    partitions with the largest spread (max sum - min sum) are merged by pairing the heaviest part of one with
+    the lightest part of the other, which cancels their spreads; repeat until one remains. Returns exactly k
+    lists (some empty when fewer than k items), sorted by descending sum, each with ascending indices.
+    Deterministic: ties break on insertion order.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    for tick, i in enumerate(range(len(lengths))):
+        parts = [(int(lengths[i]), [i])] + [(0, []) for _ in range(k - 1)]
+        heapq.heappush(heap, (-int(lengths[i]), tick, parts))  # spread = the item's length
+    tick = len(lengths)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        a = sorted(a, key=lambda p: -p[0])  # heaviest first
+        b = sorted(b, key=lambda p: p[0])  # lightest first
+        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, b)]
+        sums = [s for s, _ in merged]
+        heapq.heappush(heap, (-(max(sums) - min(sums)), tick, merged))
+        tick += 1
+    parts = heap[0][2] if heap else [(0, []) for _ in range(k)]
+    return [sorted(ix) for _, ix in sorted(parts, key=lambda p: -p[0])]
+
+
+def split_to_count(bins: list[list[int]], lengths: Sequence[int], num_bins: int) -> list[list[int]]:
+    """Return exactly ``num_bins`` bins: split the heaviest splittable bins, then pad with empty bins.
+
+    Why: under FSDP2 every micro-batch forward and backward issues collectives (all-gather, reduce-scatter)
+    per block, so all ranks must run the same number of micro-batches or the job hangs. The trainer computes
+    ``n = all_reduce_int(len(bins), 'max')`` once per step and calls this on every rank. Splitting a bin
+    (Karmarkar-Karp in two) only makes bins smaller, so the token budget still holds and no compute is wasted;
+    only a rank with fewer sequences than ``n`` gets empty bins, which ``pack`` turns into dummy micro-batches
+    (N = 0: a forward/backward that contributes zero gradient but takes part in the collectives).
+    """
+    if num_bins < len(bins):
+        raise ValueError(f"num_bins={num_bins} is fewer than the {len(bins)} bins planned; bins are never merged")
+    out = [list(b) for b in bins]
+    while len(out) < num_bins:
+        splittable = [j for j, b in enumerate(out) if len(b) > 1]
+        if not splittable:
+            break
+        j = max(splittable, key=lambda j: (sum(lengths[i] for i in out[j]), -j))
+        halves = partition_balanced([lengths[i] for i in out[j]], 2)
+        out[j:j + 1] = [[out[j][h] for h in half] for half in halves]
+    return out + [[] for _ in range(num_bins - len(out))]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packing: token ids -> tensors of one micro-batch
+
+
+@dataclass(kw_only=True)
+class MicroBatch:
+    """One packed row. All tensors live on the compute device; the integer fields are host-side metadata."""
+
+    input_ids: torch.Tensor
+    """[1, T] int64: prompt + completion of each sequence, back to back."""
+    position_ids: torch.Tensor
+    """[1, T] int64: restarts at 0 at every sequence start."""
+    hidden_index: torch.Tensor
+    """[N] int64: positions in T whose hidden state predicts a completion token (per-sequence shift)."""
+    targets: torch.Tensor
+    """[N] int64: the completion tokens those positions predict."""
+    flat_index: torch.Tensor
+    """[N] int64: where each target sits in the flat per-token layout of the step."""
+    cu_seqlens: torch.Tensor
+    """[K + 1] int32: cumulative sequence lengths in the row (flash-attention varlen format)."""
+    seq_indices: list[int]
+    """The K sequences (indices into the step's batch) in this row, in row order."""
+    seq_lengths: list[int]
+    """Their total lengths (prompt + completion)."""
+    max_seqlen: int
+    """Longest sequence in the row (flash-attention varlen needs it as a Python int)."""
+    num_tokens: int
+    """T: tokens the trunk runs on (1 for a dummy micro-batch)."""
+    num_completion_tokens: int
+    """N: completion tokens, the rows of the lm_head input."""
+
+    @property
+    def is_dummy(self) -> bool:
+        """A placeholder that keeps FSDP collectives in step across ranks (see ``split_to_count``)."""
+        return not self.seq_indices
+
+
+def pack(
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    bins: Sequence[Sequence[int]],
+    device: torch.device | str,
+    *,
+    pad_token_id: int = 0,
+) -> list[MicroBatch]:
+    """Build one ``MicroBatch`` per bin.
+
+    For a sequence at row offset s with prompt length P >= 1 and completion length L >= 1, positions
+    s+P-1 ... s+P+L-2 predict the tokens at s+P ... s+P+L-1: the shift is per sequence, so nothing predicts
+    across a boundary and the last token of a sequence predicts nothing. An empty bin becomes a dummy row of
+    one ``pad_token_id`` token with N = 0. Index tensors are built on the host and copied once per tensor.
+    """
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    for name, seqs in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids)):
+        _check_lengths([len(s) for s in seqs], name)
+    offsets = completion_offsets([len(c) for c in completion_ids])
+    out = []
+    for b in bins:
+        ids: list[int] = []
+        pos: list[int] = []
+        hidden_index: list[int] = []
+        targets: list[int] = []
+        flat_index: list[int] = []
+        seq_lengths: list[int] = []
+        for i in b:
+            p, c = prompt_ids[i], completion_ids[i]
+            s, P, L = len(ids), len(p), len(c)
+            ids.extend(p)
+            ids.extend(c)
+            pos.extend(range(P + L))
+            hidden_index.extend(range(s + P - 1, s + P + L - 1))
+            targets.extend(c)
+            flat_index.extend(range(offsets[i], offsets[i] + L))
+            seq_lengths.append(P + L)
+        if not b:  # dummy row: one token so that the trunk (and its collectives) still runs
+            ids, pos = [pad_token_id], [0]
+        cu = [0, *itertools.accumulate(seq_lengths)] if b else [0, 1]
+
+        def t(x: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+        out.append(MicroBatch(
+            input_ids=t(ids)[None],  # [1, T]
+            position_ids=t(pos)[None],  # [1, T]
+            hidden_index=t(hidden_index),  # [N]
+            targets=t(targets),  # [N]
+            flat_index=t(flat_index),  # [N]
+            cu_seqlens=t(cu, torch.int32),  # [K + 1]
+            seq_indices=list(b),
+            seq_lengths=seq_lengths,
+            max_seqlen=max(seq_lengths, default=1),
+            num_tokens=len(ids),
+            num_completion_tokens=len(targets),
+        ))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Forward: how each attention backend is told where sequences start
+#
+# transformers (checked on 5.17-5.19, masking_utils) detects packing from position_ids by itself when
+# attention_mask is None and no KV cache is passed (find_packed_sequence_indices), and then builds a
+# block-diagonal causal mask for sdpa/eager/flex. We still pass the boundaries explicitly where we can:
+# - flash_attention_2/3: cu_seqlens + max_seqlen go straight to flash_attn_varlen_func; otherwise transformers
+#   re-derives them from position_ids in every layer with a device->host sync.
+# - sdpa: an explicit [1, 1, T, T] boolean block-causal mask (True = attend). Same mask transformers would
+#   build, without the host sync in its packing check and without relying on that check across versions.
+# - eager and flex_attention: position_ids only; transformers builds the additive mask / the BlockMask.
+# Models with sliding-window layers also use position_ids only: one explicit mask would ignore the window.
+
+
+def block_causal_mask(mb: MicroBatch) -> torch.Tensor:
+    """[1, 1, T, T] bool: token q may attend to token k iff same sequence and k <= q."""
+    device = mb.input_ids.device
+    lengths = torch.tensor(mb.seq_lengths or [mb.num_tokens], device=device)
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths,
+                                  output_size=mb.num_tokens)  # [T] sequence id of each token
+    same = seg[:, None] == seg[None, :]  # [T, T]
+    causal = torch.ones(mb.num_tokens, mb.num_tokens, dtype=torch.bool, device=device).tril_()
+    return (same & causal)[None, None]
+
+
+def _sdpa_inputs(mb: MicroBatch) -> dict[str, Any]:
+    return {"attention_mask": block_causal_mask(mb)}
+
+
+def _varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
+    return {"cu_seq_lens_q": mb.cu_seqlens, "cu_seq_lens_k": mb.cu_seqlens,
+            "max_length_q": mb.max_seqlen, "max_length_k": mb.max_seqlen}
+
+
+def _position_ids_only(mb: MicroBatch) -> dict[str, Any]:
+    return {}
+
+
+PACKED_ATTENTION_INPUTS: dict[str, Callable[[MicroBatch], dict[str, Any]]] = {
+    "sdpa": _sdpa_inputs,
+    "flash_attention_2": _varlen_inputs,
+    "flash_attention_3": _varlen_inputs,
+    "eager": _position_ids_only,
+    "flex_attention": _position_ids_only,
+}
+"""attn_implementation -> extra trunk kwargs that mark sequence boundaries; others use position_ids only."""
+
+
+def _attention_inputs(config: Any, mb: MicroBatch) -> dict[str, Any]:
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return {}
+    return PACKED_ATTENTION_INPUTS.get(impl, _position_ids_only)(mb)
+
+
+def packed_hidden_states(trunk: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """Run the decoder trunk on one packed row and return hidden states at completion positions: [N, H].
+
+    trunk is ``model.get_decoder()`` (``model.model`` for Qwen2/Llama). ``use_cache=False`` matters: with a
+    cache transformers treats the row as one sequence (its packing detection needs no cache).
+    """
+    out = trunk(
+        input_ids=mb.input_ids,  # [1, T]
+        position_ids=mb.position_ids,  # [1, T]
+        use_cache=False,
+        **{"attention_mask": None, **_attention_inputs(trunk.config, mb)},
+    )
+    hidden = out.last_hidden_state[0]  # [T, H]
+    return hidden.index_select(0, mb.hidden_index)  # [N, H]
+
+
+def packed_head_forward(model: torch.nn.Module, mb: MicroBatch,
+                        head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+    """``head(hidden [N, H], lm_head_weight [V, H])`` on one micro-batch of a causal LM; returns what head returns.
+
+    The loss (e.g. ``fastgrpo.kernels.linear_grpo_loss``) runs inside this call so that, under FSDP2, the
+    lm_head weight is the gathered full tensor while it is used: ``parallelize_model`` registers this function
+    as an FSDP forward method (``model.packed_forward``). Call ``model.packed_forward(mb, head)`` on a
+    parallelized model and this function directly on a plain one.
+    """
+    hidden = packed_hidden_states(model.get_decoder(), mb)  # [N, H]
+    return head(hidden, model.get_output_embeddings().weight)  # weight: [V, H]

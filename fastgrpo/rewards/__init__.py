@@ -1,0 +1,24 @@
+"""Rewards: one file per reward family, the REWARDS registry, and loading of users' plugin files.
+
+Every reward function has TRL's signature ``fn(completions, **kwargs) -> list[float | None]``; see
+:mod:`fastgrpo.rewards.loader` for how they are called and combined.
+"""
+
+from fastgrpo.rewards.countdown import countdown_reward, score_equation
+from fastgrpo.rewards.format import as_text, format_reward, is_well_formatted, last_answer
+from fastgrpo.rewards.loader import REWARDS, RewardFunc, combine_rewards, load_reward_funcs
+from fastgrpo.rewards.toy import toy_digit_reward
+
+__all__ = [
+    "REWARDS",
+    "RewardFunc",
+    "as_text",
+    "combine_rewards",
+    "countdown_reward",
+    "format_reward",
+    "is_well_formatted",
+    "last_answer",
+    "load_reward_funcs",
+    "score_equation",
+    "toy_digit_reward",
+]

@@ -1,0 +1,91 @@
+"""Plain-torch references for the fused ops: the test oracle.
+
+They materialise the full logits ``[N, V]`` on purpose: nothing clever, so that they are easy to check by eye
+(the tests also check them against a hand-computed case). Tests and benchmarks import them; the trainer's
+tests use them too. They are written independently of ``grpo_loss.py`` (TRL's formulation, with ``torch.min``
+and ``torch.clamp``) so that a slip in the fused path's token loss is caught rather than copied.
+
+Shapes: N tokens (rows), H hidden size, V vocabulary size.
+
+Precision: the matmul runs in the inputs' dtype (as ``model(...).logits`` does in TRL), everything after it in
+float32 -- or float64 when the inputs are float64, which the tests use as the "exact" answer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["reference_linear_logprobs", "reference_linear_grpo_loss"]
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    out_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    return (hidden @ weight.T).to(out_dtype) / temperature  # [N, V]
+
+
+def reference_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+):
+    """``log_softmax(hidden @ weight.T / temperature)[n, targets[n]]`` (and the softmax entropy per row)."""
+    logits = _logits(hidden, weight, temperature)  # [N, V]
+    logp_all = torch.log_softmax(logits, dim=-1)  # [N, V]
+    logp = logp_all.gather(1, targets.long()[:, None]).squeeze(1)  # [N]
+    if not return_entropy:
+        return logp
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N]
+    return logp, entropy
+
+
+def reference_linear_grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    advantages: torch.Tensor,
+    token_weights: torch.Tensor,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    delta: float | None = None,
+    beta: float = 0.0,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+):
+    """TRL's per-token GRPO objective, summed with ``token_weights``. Returns ``(loss, stats)``."""
+    out = reference_linear_logprobs(hidden, weight, targets, temperature=temperature, return_entropy=return_entropy)
+    logp, entropy = out if return_entropy else (out, None)
+    old = logp.detach() if old_logprobs is None else old_logprobs.to(logp.dtype)
+    adv = advantages.to(logp.dtype)  # [N]
+
+    ratio = torch.exp(logp - old)  # [N]
+    ratio_unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    ratio_clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    per_token = -torch.min(ratio_unclipped * adv, ratio_clipped * adv)  # [N]
+
+    counted = token_weights != 0  # [N]
+    n_counted = counted.sum().clamp(min=1)
+    kl_mean = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    if beta != 0.0:
+        if ref_logprobs is None:
+            raise ValueError("beta != 0 needs ref_logprobs")
+        diff = ref_logprobs.to(logp.dtype) - logp
+        kl = torch.exp(diff) - diff - 1  # [N], k3 estimator
+        per_token = per_token + beta * kl
+        kl_mean = (kl.detach() * counted).sum() / n_counted
+
+    loss = (token_weights.to(logp.dtype) * per_token).sum()
+    stats = {
+        "logprobs": logp.detach(),
+        "clip_low_frac": (((ratio < 1 - epsilon_low) & (adv < 0) & counted).sum() / n_counted).detach(),
+        "clip_high_frac": (((ratio > 1 + epsilon_high) & (adv > 0) & counted).sum() / n_counted).detach(),
+        "kl_mean": kl_mean,
+    }
+    if entropy is not None:
+        stats["entropy"] = entropy.detach()
+    return loss, stats

@@ -1,0 +1,73 @@
+import subprocess
+import sys
+
+import pytest
+
+from fastgrpo.config import ConfigError, describe, load_config
+
+
+def test_shipped_configs_load():
+    for name in ("tiny", "qwen2.5-3b-instruct-countdown", "qwen2.5-3b-base-countdown"):
+        cfg = load_config(f"configs/{name}.yaml")
+        assert cfg.name
+
+
+def test_instruct_and_base_recipes_match_the_issue():
+    inst = load_config("configs/qwen2.5-3b-instruct-countdown.yaml")
+    assert inst.model.name_or_path == "Qwen/Qwen2.5-3B-Instruct"
+    assert (inst.optim.lr, inst.grpo.beta, inst.grpo.num_generations) == (5e-7, 0.001, 8)
+    assert inst.rollout.max_completion_length == 1024 and inst.rollout.temperature == 1.0
+    assert inst.rewards.funcs == ["format", "countdown"]
+    base = load_config("configs/qwen2.5-3b-base-countdown.yaml")
+    assert base.data.template == "base" and base.grpo.loss_type == "dr_grpo" and base.grpo.beta == 0
+
+
+def test_overrides_are_typed():
+    cfg = load_config("configs/tiny.yaml", ["optim.lr=3e-4", "grpo.delta=null", "rewards.funcs=[countdown]",
+                                            "log.progress=false", "max_steps=7"])
+    assert cfg.optim.lr == 3e-4 and cfg.grpo.delta is None and cfg.rewards.funcs == ["countdown"]
+    assert cfg.log.progress is False and cfg.max_steps == 7
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("optim.lrr=1", "did you mean 'optim.lr'"),
+    ("grpo.num_generation=4", "did you mean 'grpo.num_generations'"),
+    ("rollout.max_completion_lenght=4", "did you mean 'rollout.max_completion_length'"),
+])
+def test_unknown_key_names_closest(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config("configs/tiny.yaml", [override])
+
+
+@pytest.mark.parametrize("override,field", [
+    ("grpo.num_generations=1", "grpo.num_generations"),
+    ("optim.lr=0", "optim.lr"),
+    ("optim.lr=-1e-5", "optim.lr"),
+    ("rollout.max_completion_length=0", "rollout.max_completion_length"),
+    ("rewards.weights=[1.0]", "rewards.weights"),
+    ("grpo.loss_type=ppo", "grpo.loss_type"),
+    ("max_steps=2.5", "max_steps"),
+    ("grpo.num_generations=abc", "grpo.num_generations"),
+])
+def test_impossible_values_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config("configs/tiny.yaml", [override])
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("configs/nope.yaml")
+
+
+def test_describe_lists_every_key_with_doc():
+    text = describe()
+    assert "grpo.loss_type" in text and "normalised over the global batch" in text
+
+
+def test_bad_config_cli_exits_nonzero_and_writes_nothing(tmp_path):
+    out = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "fastgrpo.train", "--config", "configs/tiny.yaml",
+                           f"output_dir={out}", "grpo.num_generations=1"], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "grpo.num_generations" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
