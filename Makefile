@@ -26,6 +26,7 @@ $(STAMP): setup.py requirements/cpu.txt
 
 demo: $(STAMP)
 	$(BIN)/python -m fastgrpo.train --config configs/tiny.yaml
+	$(BIN)/python -m fastgrpo.plot runs/tiny-countdown
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

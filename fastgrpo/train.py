@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from fastgrpo import distributed as fdist
     from fastgrpo.trainer import Trainer
 
-    fdist.init_distributed()
+    fdist.init_distributed(cfg.device)
     try:
         try:
             trainer = Trainer(cfg)

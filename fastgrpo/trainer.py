@@ -28,7 +28,7 @@ from fastgrpo.kernels import linear_grpo_loss, linear_logprobs
 from fastgrpo.losses import GlobalCounts, token_weights, truncated_importance_weights
 from fastgrpo.metrics import JsonlSink, ProgressBar, StepMetrics, Timer, WandbSink
 from fastgrpo.model import get_trunk_and_head, load_model, load_tokenizer, resolve_model_path
-from fastgrpo.packing import MicroBatch, pack, packed_hidden_states, plan_microbatches
+from fastgrpo.packing import MicroBatch, pack, packed_hidden_states, plan_microbatches, split_to_count
 from fastgrpo.parallelize import parallelize_model
 from fastgrpo.rewards import load_reward_funcs
 from fastgrpo.rollout import SamplingParams, build_engine
@@ -59,8 +59,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+        self.device = fdist.init_distributed(cfg.device).device  # idempotent; train.py initialises it first
         self.rank, self.world_size = fdist.get_rank(), fdist.get_world_size()
-        self.device = fdist.resolve_device(cfg.device)
         self.run_dir = cfg.run_dir
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
@@ -72,12 +72,11 @@ class Trainer:
                                      world_size=self.world_size)
 
         self.tokenizer = load_tokenizer(cfg.model)
-        dtype = fdist.resolve_dtype(cfg.model.dtype, self.device)
-        model = load_model(cfg.model, device=self.device, dtype=dtype, seed=cfg.seed)
+        model = load_model(cfg.model, device=self.device, seed=cfg.seed)
         self.model = parallelize_model(model, cfg.parallel, device=self.device, world_size=self.world_size)
         self.ref_model = None
         if cfg.grpo.beta > 0:  # the frozen reference, sharded the same way, forward only
-            ref = load_model(cfg.model, device=self.device, dtype=dtype, seed=cfg.seed).eval().requires_grad_(False)
+            ref = load_model(cfg.model, device=self.device, seed=cfg.seed).eval().requires_grad_(False)
             self.ref_model = parallelize_model(ref, cfg.parallel, device=self.device, world_size=self.world_size)
 
         o = cfg.optim
@@ -163,7 +162,8 @@ class Trainer:
     def _microbatches(self, ep: Episodes) -> list[MicroBatch]:
         seq_lens = [len(p) + len(c) for p, c in zip(ep.prompt_ids, ep.completion_ids)]
         bins = plan_microbatches(seq_lens, self.cfg.grpo.max_tokens_per_microbatch)
-        bins = fdist.pad_bins_to_max_count(bins)  # every rank runs the same number of forward/backward calls
+        # FSDP: every rank must run the same number of forward/backward calls (collectives per block)
+        bins = split_to_count(bins, seq_lens, fdist.all_reduce_int(len(bins), "max", device=self.device))
         return pack(ep.prompt_ids, ep.completion_ids, bins, device=self.device)
 
     @torch.no_grad()
@@ -180,8 +180,8 @@ class Trainer:
     def policy_update(self, ep: Episodes, metrics: StepMetrics) -> None:
         g = self.cfg.grpo
         lengths = ep.lengths  # [S]
-        counts = GlobalCounts(num_sequences=fdist.all_reduce_int(ep.num_sequences),
-                              num_tokens=fdist.all_reduce_int(int(lengths.sum())),
+        counts = GlobalCounts(num_sequences=fdist.all_reduce_int(ep.num_sequences, "sum", device=self.device),
+                              num_tokens=fdist.all_reduce_int(int(lengths.sum()), "sum", device=self.device),
                               max_completion_length=self.cfg.rollout.max_completion_length)
         weights = token_weights(g.loss_type, lengths, counts).to(self.device)  # [N]
         adv = torch.repeat_interleave(ep.adv.advantages, lengths).to(self.device)  # [N]
@@ -221,7 +221,9 @@ class Trainer:
                         metrics.add(f"policy/{key}", stats[key], n)
             max_norm = self.cfg.optim.max_grad_norm
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else 1e30)
-            metrics.set("policy/grad_norm", fdist.full_value(grad_norm))
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+                grad_norm = grad_norm.full_tensor()
+            metrics.set("policy/grad_norm", grad_norm)
             metrics.host("lr", self.scheduler.get_last_lr()[0])
             self.optimizer.step()
             self.scheduler.step()
@@ -315,7 +317,9 @@ class Trainer:
                            max_tokens=self.cfg.rollout.max_completion_length, seed=self.cfg.seed + self.step)
         finally:
             self.engine.sleep()
-        return {f"eval/{k}": fdist.mean_over_ranks(v, self.device) for k, v in res.items()}
+        names = sorted(res)
+        vals = fdist.all_reduce_(torch.tensor([res[k] for k in names], device=self.device), "avg")
+        return {f"eval/{k}": float(v) for k, v in zip(names, vals.tolist())}
 
     def _log_completions(self, sink: JsonlSink, ep: Episodes) -> None:
         k = min(self.cfg.log.completions_per_step, ep.num_sequences)

@@ -90,13 +90,19 @@ def _split_claim(answer: str) -> tuple[str, int | None]:
         return answer, None
     expr, claim = answer.split("=")
     claim = claim.strip()
-    if not claim.isdigit():  # ASCII-only was checked by _gate, so isdigit means 0-9
+    digits = claim[1:] if claim.startswith("-") else claim
+    if not digits.isdigit():  # ASCII-only was checked by _gate, so isdigit means 0-9
         raise _Reject
     return expr, int(claim)
 
 
-def score_equation(answer: str, nums: Iterable[int], target: int) -> float:
-    """1.0 if ``answer`` (the text inside ``<answer>``) is a valid equation reaching ``target``, else 0.0."""
+def score_equation(answer: str, nums: Iterable[Any], target: Any) -> float:
+    """1.0 if ``answer`` (the text inside ``<answer>``) is a valid equation reaching ``target``, else 0.0.
+
+    ``nums`` is read only once the answer has passed the cheap checks, so a long ``nums`` column costs
+    nothing on the (common) malformed answers. Ill-typed ``nums``/``target`` values raise ``ValueError``.
+    """
+    target = _as_int(target, "target")
     try:
         _gate(answer)
         expr, claim = _split_claim(answer)
@@ -105,10 +111,13 @@ def score_equation(answer: str, nums: Iterable[int], target: int) -> float:
         tree = ast.parse(expr.strip(), mode="eval").body
         used: list[int] = []
         _literals(tree, used)
-        if Counter(used) != Counter(nums):
-            return 0.0
-        return 1.0 if _evaluate(tree) == target else 0.0
     except (_Reject, SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+        return 0.0
+    if Counter(used) != Counter(_as_int(n, "nums") for n in nums):
+        return 0.0
+    try:
+        return 1.0 if _evaluate(tree) == target else 0.0
+    except (_Reject, RecursionError, MemoryError, OverflowError):
         return 0.0
 
 
@@ -133,7 +142,6 @@ def countdown_reward(
         raise ValueError(f"countdown reward needs the dataset column(s) {missing}; got a dataset without them")
     scores = []
     for completion, row_nums, row_target in zip(completions, nums, target, strict=True):
-        row_nums = [_as_int(n, "nums") for n in row_nums]
         answer = last_answer(as_text(completion))
-        scores.append(0.0 if answer is None else score_equation(answer, row_nums, _as_int(row_target, "target")))
+        scores.append(0.0 if answer is None else score_equation(answer, row_nums, row_target))
     return scores

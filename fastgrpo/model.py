@@ -1,0 +1,196 @@
+"""Load a causal LM and its tokenizer; choose the attention backend. No parallelism here (see parallelize.py).
+
+``ModelConfig.name_or_path`` is one of:
+- ``"tiny"`` / ``"tiny:<preset>"`` (e.g. ``"tiny:llama"``): the embedded model, built locally by
+  :func:`fastgrpo.tiny.build_tiny` (no hub, no network);
+- a local folder in Hugging Face layout (config.json, safetensors, tokenizer files);
+- a Hugging Face hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``), downloaded by transformers: needs network, or a
+  warm ``HF_HOME`` cache.
+
+The trainer computes log-probs as ``lm_head(trunk(x))`` on completion positions only, so it needs the two
+halves separately: :func:`get_trunk_and_head`.
+
+Legend: N tokens, H hidden size, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from fastgrpo.config import ModelConfig
+
+__all__ = [
+    "ATTN_BACKENDS",
+    "choose_attn_implementation",
+    "count_params",
+    "get_trunk_and_head",
+    "load_model",
+    "load_tokenizer",
+    "resolve_dtype",
+    "resolve_model_path",
+]
+
+TINY_PREFIX = "tiny"
+
+
+def _flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _needs_flash_attn(device: torch.device) -> None:
+    if not _flash_attn_installed():
+        raise ImportError(
+            "model.attn_implementation=flash_attention_2 needs the flash-attn package: "
+            "pip install fastgrpo[flash-attn]  (or choose 'auto', 'flex_attention' or 'sdpa')")
+    if device.type != "cuda":
+        raise ValueError(f"model.attn_implementation: flash_attention_2 runs on CUDA only, not on {device.type}")
+
+
+def _needs_nothing(device: torch.device) -> None:
+    pass
+
+
+ATTN_BACKENDS: dict[str, Callable[[torch.device], None]] = {
+    "flash_attention_2": _needs_flash_attn,
+    "flex_attention": _needs_nothing,
+    "sdpa": _needs_nothing,
+    "eager": _needs_nothing,
+}
+"""Backend name (transformers' attn_implementation) -> check that raises if it cannot run on a device."""
+
+
+def choose_attn_implementation(requested: str, device: torch.device | str) -> str:
+    """Resolve ``model.attn_implementation`` to a transformers backend name for ``device``.
+
+    'auto' -> flash_attention_2 when flash-attn is installed and the device is CUDA, else flex_attention on
+    CUDA, else sdpa. An explicit name is checked (flash_attention_2 without flash-attn raises ImportError
+    saying how to install it) and returned unchanged.
+    """
+    device = torch.device(device)
+    if requested == "auto":
+        if device.type == "cuda":
+            return "flash_attention_2" if _flash_attn_installed() else "flex_attention"
+        return "sdpa"
+    if requested not in ATTN_BACKENDS:
+        raise ValueError(f"model.attn_implementation: unknown backend {requested!r} "
+                         f"(auto, {', '.join(ATTN_BACKENDS)})")
+    ATTN_BACKENDS[requested](device)
+    return requested
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str) -> torch.dtype:
+    """'auto' (or None) -> bfloat16 on CUDA, float32 elsewhere; names and torch dtypes pass through."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    named = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in named:
+        raise ValueError(f"model.dtype: must be auto, float32 or bfloat16, got {dtype!r}")
+    return named[dtype]
+
+
+def resolve_model_path(cfg: ModelConfig, *, seed: int = 0) -> str:
+    """'tiny[:preset]' -> the locally built folder (built on first use); anything else is returned as is."""
+    name = cfg.name_or_path
+    if name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":"):
+        from fastgrpo.tiny import build_tiny
+
+        preset = name.partition(":")[2] or "default"
+        return str(build_tiny(seed=seed, preset=preset))
+    return name
+
+
+def _is_hub_id(path: str) -> bool:
+    return not Path(path).exists()
+
+
+def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
+    """Call a transformers ``from_pretrained``; turn a failed hub download into an actionable message."""
+    try:
+        return loader(path, **kwargs)
+    except OSError as e:  # transformers/huggingface_hub raise OSError subclasses for missing repos and no network
+        if not _is_hub_id(path):
+            raise
+        raise OSError(
+            f"could not load the {what} {path!r}: it is not a local folder, so it was looked up on the Hugging "
+            f"Face hub, which failed ({type(e).__name__}: {e}). Hub ids need network access (or a warm HF_HOME "
+            f"cache). Download it where there is network (`huggingface-cli download {path} --local-dir DIR`) "
+            f"and set model.name_or_path=DIR, or use model.name_or_path=tiny for the embedded model."
+        ) from e
+
+
+def load_tokenizer(cfg: ModelConfig, *, seed: int = 0):
+    """The tokenizer of ``cfg.name_or_path``, ready for batched generation.
+
+    It always has a pad token (falls back to EOS: only its id is needed, every pad position is masked) and
+    pads on the left, so the last position of every row is the last prompt token.
+    """
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(cfg, seed=seed)
+    tok = _from_pretrained(AutoTokenizer.from_pretrained, path, "tokenizer", revision=cfg.revision,
+                           trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError(f"tokenizer of {cfg.name_or_path!r} has neither a pad nor an EOS token")
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_model(cfg: ModelConfig, *, device: torch.device | str, dtype: str | torch.dtype | None = None,
+               seed: int = 0) -> nn.Module:
+    """Load ``cfg.name_or_path`` as a ``*ForCausalLM`` on ``device``.
+
+    ``dtype`` overrides ``cfg.dtype`` ('auto': bfloat16 on CUDA, float32 on CPU). ``seed`` picks the weights
+    of the tiny model (ignored for real checkpoints). The attention backend comes from
+    :func:`choose_attn_implementation`. The model is returned as transformers leaves it (eval mode); the
+    trainer switches modes.
+    """
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype if dtype is not None else cfg.dtype, device)
+    attn = choose_attn_implementation(cfg.attn_implementation, device)
+    path = resolve_model_path(cfg, seed=seed)
+    # `dtype=` (transformers >= 4.56; `torch_dtype` is its deprecated alias).
+    model = _from_pretrained(AutoModelForCausalLM.from_pretrained, path, "model", dtype=torch_dtype,
+                             attn_implementation=attn, revision=cfg.revision,
+                             trust_remote_code=cfg.trust_remote_code)
+    return model.to(device)
+
+
+def get_trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """Split a ``*ForCausalLM`` into (trunk, head): ``head(trunk(ids).last_hidden_state) == model(ids).logits``.
+
+    trunk: the decoder (embeddings, blocks, final norm) returning hidden states [.., H];
+    head: the output projection with ``weight`` [V, H] (tied to the embedding for Qwen2.5-0.5B..3B).
+    Models that post-process logits (softcapping, a logit scale) cannot be split this way: the fused
+    log-prob kernel sees only ``hidden @ weight.T``, so they are rejected rather than silently wrong.
+    """
+    cfg = getattr(model, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        value = getattr(cfg, attr, None)
+        if value not in (None, 1.0):
+            raise NotImplementedError(f"{type(model).__name__} post-processes its logits ({attr}={value}); "
+                                      f"the trunk/head split would compute different log-probs")
+    trunk = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if trunk is None or trunk is model:
+        trunk = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(trunk, nn.Module) or head is None or getattr(head, "weight", None) is None:
+        raise ValueError(f"{type(model).__name__} is not a *ForCausalLM with a decoder and an lm_head")
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError(f"{type(model).__name__}'s lm_head has a bias, which the kernels do not add")
+    return trunk, head
+
+
+def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:
+    """Number of parameters, each shared (tied) tensor counted once."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

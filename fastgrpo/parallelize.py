@@ -1,0 +1,154 @@
+"""Apply training parallelism to a loaded Hugging Face causal LM: activation checkpointing, compile, FSDP2.
+
+The model code knows nothing of this; ``parallelize_model`` changes the module in place, in a fixed order:
+
+1. activation checkpointing per transformer block (wraps the block),
+2. ``torch.compile`` per block (compiles the wrapped block, so recomputation is compiled too),
+3. FSDP2 ``fully_shard`` per block, then on the root module.
+
+The order matters: FSDP's all-gather / reduce-scatter hooks must sit *outside* the checkpointed and compiled
+region, so that recomputation in backward does not all-gather again and dynamo does not trace collectives.
+
+Blocks are found generically as ``model.get_decoder().layers`` (``model.model.layers`` for Qwen2, Llama,
+Mistral, Qwen3, ...). Everything else (embedding, final norm, lm_head) belongs to the root FSDP unit. That is
+also what keeps tied embeddings right: ``embed_tokens.weight`` and ``lm_head.weight`` are one Parameter, and
+``fully_shard`` de-duplicates parameters within a unit, so the shared weight is sharded once and both modules
+keep pointing at the same (sharded, later gathered) tensor. Sharding the embedding as its own unit would
+split the tie.
+
+The loss runs on the lm_head weight outside ``model.forward``; ``parallelize_model`` therefore attaches
+``model.packed_forward(mb, head)`` (``fastgrpo.packing.packed_head_forward``) and registers it as an FSDP
+forward method, so the root unit's parameters are gathered while the head uses them and their gradients are
+reduce-scattered afterwards. Call ``model.packed_forward`` for every packed pass (policy, old-logprob, ref).
+
+With activation checkpointing the wrapper adds ``_checkpoint_wrapped_module.`` to ``named_parameters()``;
+``state_dict()`` keys (and torch.distributed.checkpoint) strip it, so read weights by state-dict key.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from fastgrpo.config import ParallelConfig
+from fastgrpo.packing import packed_head_forward
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of decoder blocks: ``model.get_decoder().layers``; ValueError naming the model if absent."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"{type(model).__name__}: no transformer blocks at get_decoder().layers; "
+                         "parallelize_model supports decoder-only HF models laid out like Llama/Qwen2")
+    return layers
+
+
+def _apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    # Non-reentrant: works with keyword arguments (position_embeddings, masks) and with FSDP2 hooks.
+    for i, block in enumerate(blocks):
+        blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def _apply_compile(blocks: nn.ModuleList) -> None:
+    # Per block, not the whole model: every block has the same graph, so one compilation serves all, and
+    # the varying packed length T is a dynamic dimension instead of a recompile per step.
+    for block in blocks:
+        block.compile(dynamic=True)
+
+
+def _sum_gradient_reduction(module: nn.Module) -> None:
+    """Make FSDP2 *sum* gradients over ranks instead of averaging them.
+
+    Our loss is sum(w * l) with per-token weights normalised over the GLOBAL batch, so the true gradient is the
+    sum of the ranks' gradients. The alternative, multiplying the loss by world_size and letting FSDP average,
+    adds a rounding step whenever world_size is not a power of two and hides the invariant in the trainer.
+    Divide factor 1.0 + forced SUM gives a plain ReduceOp.SUM reduce-scatter, which NCCL and gloo both support
+    (gloo has no PREMUL_SUM/AVG). ``set_gradient_divide_factor`` and ``set_force_sum_reduction_for_comms``
+    exist from torch 2.8 (we run 2.11 and 2.13); older versions only have ``set_reduce_scatter_divide_factor``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(1.0)
+        else:  # pragma: no cover - torch < 2.8
+            m.set_reduce_scatter_divide_factor(1.0)
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def _tied(model: nn.Module) -> bool:
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    return out is not None and inp.weight is out.weight
+
+
+def _apply_fsdp(model: nn.Module, blocks: nn.ModuleList, cfg: ParallelConfig, device: torch.device,
+                world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    on_cuda = device.type == "cuda"
+    # Sharded (master) parameters keep the dtype they were loaded in (load float32 for true mixed precision);
+    # gathered parameters are cast to param_dtype for compute. CPU computes in float32: bf16 matmuls on CPU
+    # are slow and gloo reductions of bf16 gain nothing.
+    mp = MixedPrecisionPolicy(
+        param_dtype=_DTYPES[cfg.param_dtype] if on_cuda else torch.float32,
+        reduce_dtype=_DTYPES[cfg.reduce_dtype] if on_cuda else torch.float32,
+    )
+    offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+    mesh = init_device_mesh(device.type, (world_size,))
+    last = len(blocks) - 1
+    for i, block in enumerate(blocks):
+        # The last block is not resharded after forward: backward starts with it, so freeing and
+        # re-gathering its parameters would be pure waste.
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=i < last)
+    # Root unit: embedding, final norm and lm_head (tied or not). FSDP never reshards the root after forward.
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    _sum_gradient_reduction(model)
+
+
+def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.device | str,
+                      world_size: int) -> nn.Module:
+    """Apply activation checkpointing, compile and FSDP2 per ``cfg``; return the same (modified) model.
+
+    FSDP2 is applied when ``cfg.fsdp`` and ``world_size > 1`` (a process group must exist); with one process
+    the model stays a plain module (no collectives, no DTensors) but goes through the same steps otherwise.
+    Afterwards ``model.packed_forward(mb, head)`` runs a packed micro-batch and the head (see module doc).
+    Gradients are SUMMED over ranks (``_sum_gradient_reduction``): weight tokens by global normalisers.
+    """
+    device = torch.device(device)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if cfg.cpu_offload and not (cfg.fsdp and world_size > 1):
+        raise ValueError("parallel.cpu_offload needs FSDP: set parallel.fsdp=true and run with world size > 1")
+    tied = _tied(model)
+    blocks = transformer_blocks(model)
+    if not (cfg.fsdp and world_size > 1 and cfg.cpu_offload):
+        model.to(device)  # fully_shard moves parameters itself; with offload they must stay on the host
+    if cfg.activation_checkpointing:
+        _apply_activation_checkpointing(blocks)
+    if cfg.compile:
+        _apply_compile(blocks)
+    if cfg.fsdp and world_size > 1:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("FSDP with world_size > 1 needs an initialised process group "
+                             "(fastgrpo.distributed.init_distributed)")
+        _apply_fsdp(model, blocks, cfg, device, world_size)
+    assert _tied(model) == tied, "parallelize_model must not untie (or tie) the embeddings"
+    # Bound to this instance so that FSDP's pre/post-forward hooks can wrap it like forward.
+    model.packed_forward = types.MethodType(packed_head_forward, model)
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    register_fsdp_forward_method(model, "packed_forward")  # no-op on a plain module
+    return model

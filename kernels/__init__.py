@@ -1,0 +1,25 @@
+"""fastgrpo.kernels: fused lm_head -> log-prob / GRPO-loss ops that never build an ``[N, V]`` logits tensor.
+
+Imports only torch (and Triton when available), so other trainers can vendor this folder.
+
+    linear_logprobs(hidden[N,H], weight[V,H], targets[N], *, temperature=1.0, return_entropy=False)
+        -> logp[N] float32 (, entropy[N] float32)
+    linear_grpo_loss(hidden, weight, targets, advantages[N], token_weights[N], *, old_logprobs=None,
+                     ref_logprobs=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
+                     temperature=1.0) -> (loss, stats)
+
+CUDA tensors run Triton kernels; other devices (or ``backend="torch"``) a chunked torch path with the same
+memory bound. ``reference`` holds the plain-torch oracles.
+"""
+
+from .grpo_loss import linear_grpo_loss
+from .logprobs import BACKENDS, linear_logprobs
+from .reference import reference_linear_grpo_loss, reference_linear_logprobs
+
+__all__ = [
+    "linear_logprobs",
+    "linear_grpo_loss",
+    "reference_linear_logprobs",
+    "reference_linear_grpo_loss",
+    "BACKENDS",
+]
