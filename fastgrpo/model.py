@@ -103,11 +103,21 @@ def resolve_model_path(cfg: ModelConfig, *, seed: int = 0) -> str:
 
         preset = name.partition(":")[2] or "default"
         return str(build_tiny(seed=seed, preset=preset))
+    if _looks_like_local_path(name):
+        path = Path(name).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"model.name_or_path: local folder {name!r} does not exist")
+        return str(path)
     return name
 
 
 def _is_hub_id(path: str) -> bool:
-    return not Path(path).exists()
+    return not Path(path).expanduser().exists()
+
+
+def _looks_like_local_path(name: str) -> bool:
+    """Hub ids are 'name' or 'org/name'; anything else with a slash (or ~, ./) is meant as a folder."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
 
 
 def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):

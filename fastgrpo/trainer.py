@@ -117,7 +117,14 @@ class Trainer:
             return
         state = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(state["sampler"])
+        sampler_state = dict(state["sampler"])
+        if sampler_state["world_size"] != self.world_size:
+            # Resharded resume: keep the epoch and the share of it already consumed (prompts seen globally), so
+            # the data position is kept up to the rounding of one step.
+            seen = sampler_state["offset"] * sampler_state["world_size"]
+            sampler_state.update(world_size=self.world_size, rank=self.rank,
+                                 offset=min(seen // self.world_size, self.sampler.per_rank))
+        self.sampler.load_state_dict(sampler_state)
         self.step = int(state["step"])
         if self.is_main:
             print(f"[fastgrpo] resumed from {path} at step {self.step}", flush=True)
@@ -276,7 +283,7 @@ class Trainer:
                                                       / max(t_upd.seconds, 1e-9))
                 record["perf/tokens_per_s"] = ((gen_tokens + record["perf/update_tokens"]) * self.world_size
                                                / max(t_roll.seconds + t_upd.seconds, 1e-9))
-                record["data/skipped_rows"] = float(self.data_info.get("skipped", 0))
+                record["data/skipped_rows"] = float(self.data_info.get("skipped_invalid_rows", 0))
                 if self._due(cfg.eval.every):
                     record.update(self.evaluate())
                 for s in sinks:

@@ -24,6 +24,15 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 257  # odd on purpose
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls gain nothing from threads, and OpenMP spin-waits stall when the 2 cores are shared."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Planning
 

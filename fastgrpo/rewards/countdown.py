@@ -122,11 +122,12 @@ def score_equation(answer: str, nums: Iterable[Any], target: Any) -> float:
 
 
 def _as_int(value: Any, column: str) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__") and not (
-        isinstance(value, float) and value.is_integer()
-    ):
+    """An int column value (numpy ints and integral floats included); bools and anything else raise."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise ValueError(f"countdown reward: column {column!r} must hold integers, got {value!r}")
-    return int(value)
+    return operator.index(value)
 
 
 def countdown_reward(

@@ -1,0 +1,163 @@
+"""Compile the Triton kernels for Hopper (sm_90) without a GPU and report what the hardware would run.
+
+For each kernel, at the block sizes the launchers use on an H100, prints: registers per thread, spills (local
+memory bytes and STL/LDL instructions in the SASS), shared memory (static + dynamic) and whether ``tl.dot``
+became Hopper warpgroup MMA (HGMMA / wgmma) instructions. Uses triton.compile with a GPUTarget, then the
+cuobjdump shipped in triton/backends/nvidia/bin.
+
+    python benchmarks/check_hopper.py            # bf16 and fp32 variants
+    python benchmarks/check_hopper.py --bf16-only
+
+Integer arguments that are multiples of 16 in real use (strides, H, V) and all pointers are declared 16-aligned,
+as Triton's JIT specialisation would do at launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_triton_backend():
+    """The kernels module, imported as part of fastgrpo.kernels when installed, else from the source tree."""
+    try:
+        from fastgrpo.kernels import _triton
+    except ImportError:
+        sys.path.insert(0, str(REPO))
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "fastgrpo.kernels", REPO / "kernels" / "__init__.py", submodule_search_locations=[str(REPO / "kernels")]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["fastgrpo.kernels"] = module
+        spec.loader.exec_module(module)
+        from fastgrpo.kernels import _triton
+    return _triton
+
+
+@dataclass
+class Report:
+    kernel: str
+    variant: str
+    regs: int
+    local_bytes: int
+    spill_instrs: int
+    smem_bytes: int
+    hgmma: int
+    num_warps: int
+
+    @property
+    def spills(self) -> bool:
+        return self.local_bytes > 0 or self.spill_instrs > 0
+
+
+def cuobjdump_path() -> str | None:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(path) if path.exists() else shutil.which("cuobjdump")
+
+
+def _signature(fn, ptr_types: dict, constexprs: dict, aligned: set):
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = ptr_types.get(name, "*fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "inv_temp":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name in aligned or name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def compile_one(fn, *, ptr_types, constexprs, num_warps, num_stages, variant) -> Report:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    sig, attrs = _signature(fn, ptr_types, constexprs, aligned={"V", "Hdim", "N", "row_start", "chunk_rows"})
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    tool = cuobjdump_path()
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        res = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "--dump-sass", cubin], capture_output=True, text=True, check=True).stdout
+    field = lambda key: int(re.search(rf"{key}:(\d+)", res).group(1))  # noqa: E731
+    return Report(
+        kernel=fn.__name__, variant=variant, regs=field("REG"), local_bytes=field("LOCAL") + field("STACK"),
+        spill_instrs=len(re.findall(r"\b(?:STL|LDL)\b", sass)), smem_bytes=field("SHARED") + compiled.metadata.shared,
+        hgmma=len(re.findall(r"\bHGMMA\b", sass)), num_warps=num_warps,
+    )
+
+
+def kernel_specs(bf16_only: bool = False):
+    """(kernel, pointer dtypes, constexprs, launch options, variant label) at the launchers' GPU block sizes."""
+    tr = _load_triton_backend()
+    variants = [("bf16", "*bf16", tr.GPU_BLOCKS, "ieee")]
+    if not bf16_only:
+        variants.append(("fp32-tf32", "*fp32", tr.GPU_BLOCKS_FP32, "tf32"))
+    specs = []
+    for label, dt, cfg, precision in variants:
+        base = dict(UPCAST=False, PRECISION=precision)
+        launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        mvk = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_V", "BLOCK_K")}
+        for has_rows in (False, True):
+            specs.append((tr._fwd_kernel, {"h_ptr": dt, "w_ptr": dt, "tgt_ptr": "*i64", "rows_ptr": "*i32",
+                                           "n_active_ptr": "*i32"},
+                          dict(base, HAS_ROWS=has_rows, **mvk), launch, f"{label} rows={has_rows}"))
+        specs.append((tr._dlogits_kernel, {"h_ptr": dt, "w_ptr": dt, "tgt_ptr": "*i64", "rows_ptr": "*i32",
+                                           "n_active_ptr": "*i32", "dx_ptr": dt},
+                      dict(base, HAS_ENT=True, **mvk), launch, f"{label} entropy"))
+        specs.append((tr._dhidden_kernel, {"dx_ptr": dt, "w_ptr": dt, "rows_ptr": "*i32", "n_active_ptr": "*i32",
+                                           "dh_ptr": dt},
+                      dict(base, **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_H", "BLOCK_K")}), launch, label))
+        specs.append((tr._dweight_kernel, {"dx_ptr": dt, "h_ptr": dt, "rows_ptr": "*i32", "n_active_ptr": "*i32"},
+                      dict(base, **{k: cfg[k] for k in ("BLOCK_V", "BLOCK_H", "BLOCK_K")}), launch, label))
+    return specs
+
+
+def run(bf16_only: bool = False) -> list[Report]:
+    reports = []
+    for fn, ptr_types, constexprs, launch, label in kernel_specs(bf16_only):
+        reports.append(compile_one(fn, ptr_types=ptr_types, constexprs=constexprs, variant=label, **launch))
+    return reports
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bf16-only", action="store_true")
+    args = parser.parse_args(argv)
+    if cuobjdump_path() is None:
+        print("cuobjdump not found (triton's nvidia backend missing): cannot inspect sm_90 code")
+        return 2
+    reports = run(args.bf16_only)
+    print("| kernel | variant | warps | regs/thread | spills (local B / STL+LDL) | smem KiB | HGMMA instrs |")
+    print("|---|---|---|---|---|---|---|")
+    for r in reports:
+        print(f"| {r.kernel} | {r.variant} | {r.num_warps} | {r.regs} | {r.local_bytes} / {r.spill_instrs} "
+              f"| {r.smem_bytes / 1024:.1f} | {r.hgmma} |")
+    bad = [r for r in reports if r.spills]
+    print(f"\n{len(reports)} kernels compiled for sm_90; {len(bad)} with spills")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Rollout with the live training model: a plain KV-cached decode loop on transformers' forward.
+
+Why not ``model.generate``: (1) the sampler's log-probs would need ``output_logits`` — a [L, N, V] tensor
+kept for the whole rollout, which the project forbids; here each step keeps one float per sequence;
+(2) generate applies the generation_config's defaults (``top_k=50``, repetition penalties, ...) that the
+trainer's log-probs would not know about; (3) it cannot take a ``torch.Generator``, so seeding it would
+reset the trainer's global RNG stream. The loop here does temperature + top-p and nothing else.
+
+Padding: prompts of a chunk are left-padded to the same length with an attention mask, and position ids
+count real tokens only (``cumsum(mask) - 1``), so a padded prompt sees exactly the positions it would see
+alone (the padded-vs-alone test checks this token for token).
+
+Legend: N sequences in a chunk (prompts x n), P longest prompt in the chunk, T decode steps so far,
+V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingParams
+
+__all__ = ["HFEngine", "sample_next"]
+
+
+def _eos_ids(model: nn.Module, tokenizer) -> list[int]:
+    """Every id that ends a completion: the generation config's EOS id(s) and the tokenizer's EOS."""
+    ids: set[int] = set()
+    gen_cfg = getattr(model, "generation_config", None)
+    for source in (getattr(gen_cfg, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                   tokenizer.eos_token_id):
+        if source is None:
+            continue
+        ids.update([source] if isinstance(source, int) else source)
+    if not ids:
+        raise ValueError("HFEngine: neither the model nor the tokenizer defines an EOS token")
+    return sorted(ids)
+
+
+def sample_next(logits: torch.Tensor, sampling: SamplingParams,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the next token of each row; return (tokens [N], sampler log-probs [N] float32).
+
+    logits: [N, V]. temperature == 0 is greedy. top_p keeps the smallest set of most likely tokens whose
+    probability reaches top_p (at least one) and samples among them renormalised.
+
+    Reported log-prob: ``log_softmax(logits / T)`` of the chosen token, *not* renormalised over the top-p
+    set. That is the quantity the trainer recomputes (it knows T but not the nucleus), so the two can be
+    compared for the importance-sampling correction; vLLM's 'processed_logprobs' reports the same for T.
+    For greedy (T == 0) the log-prob is taken at T = 1.
+    """
+    logits = logits.float()
+    greedy = sampling.temperature == 0
+    logp = torch.log_softmax(logits if greedy else logits / sampling.temperature, dim=-1)  # [N, V]
+    if greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = logp.exp()  # [N, V]
+        if sampling.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            # Drop a token when the mass *before* it already reaches top_p: the top token always stays.
+            drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= sampling.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            probs = probs.masked_fill(drop, 0.0)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # renormalises implicitly
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class HFEngine(RolloutEngine):
+    """Generates with the policy module itself (single process or FSDP2, no copy of the weights).
+
+    Under torch.distributed every rank must call :meth:`generate` with the same number of sequences: the
+    decode loop runs until *all* ranks are done, because an FSDP2-sharded forward is a collective.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, *, batch_size: int = 64):
+        if batch_size < 1:
+            raise ValueError(f"rollout.batch_size: must be >= 1, got {batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.eos_ids = _eos_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]  # any id works: pad positions are masked
+        # Only the last position's logits are needed; skip the [N, P, V] prefill logits where supported.
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    # -- RolloutEngine ----------------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if sampling.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        seqs = [p for p in prompts for _ in range(n)]  # prompt-major: sequence b*n + j is sample j of prompt b
+        device = self._device()
+        generator = torch.Generator(device=device)
+        if sampling.seed is None:
+            generator.seed()  # fresh entropy, without touching the global RNG
+        else:
+            generator.manual_seed(sampling.seed)
+
+        was_training = self.model.training
+        self.model.eval()
+        flat: list[Completion] = []
+        try:
+            with torch.no_grad():
+                for start in range(0, len(seqs), self.batch_size):
+                    flat += self._generate_chunk(seqs[start:start + self.batch_size], sampling, generator, device)
+        finally:
+            self.model.train(was_training)
+        return [flat[b * n:(b + 1) * n] for b in range(len(prompts))]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the given tensors into the live model by Hugging Face name.
+
+        The engine generates with the policy itself, so the trainer's own parameters need no copy (a tensor
+        that *is* the model's storage is skipped); tensors from elsewhere (another model object, a checkpoint)
+        are copied in place. Unknown names and shape mismatches raise, naming the tensor.
+        """
+        own = dict(self.model.named_parameters(remove_duplicate=False))
+        own.update(self.model.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in own:
+                    raise KeyError(f"update_weights: the model has no tensor named {name!r}")
+                target = own[name]
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                                     f"the model's is {tuple(target.shape)}")
+                if tensor.data_ptr() != target.data_ptr():
+                    target.copy_(tensor)
+
+    # -- decode loop ------------------------------------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _forward_last(self, ids, mask, pos, cache):
+        """One forward; returns (logits of the last position [N, V], cache)."""
+        kwargs = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True, **kwargs)
+        return out.logits[:, -1], out.past_key_values
+
+    def _generate_chunk(self, seqs: list[list[int]], sampling: SamplingParams, generator: torch.Generator,
+                        device: torch.device) -> list[Completion]:
+        N, P = len(seqs), max(len(s) for s in seqs)
+        ids = torch.full((N, P), self.pad_id, dtype=torch.long)  # [N, P] left-padded
+        mask = torch.zeros((N, P), dtype=torch.long)  # [N, P]
+        for i, s in enumerate(seqs):
+            ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, P - len(s):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, P] positions of real tokens start at 0
+        eos = torch.tensor(self.eos_ids, device=device)
+
+        tokens, logps = [], []  # T tensors of [N]
+        finished = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
+        logits, cache = self._forward_last(ids, mask, pos, None)
+        next_pos = pos[:, -1:] + 1  # [N, 1]
+        for step in range(sampling.max_tokens):
+            tok, logp = sample_next(logits, sampling, generator)  # [N], [N]
+            tok = tok.masked_fill(finished, self.pad_id)  # rows already done emit padding, stripped below
+            tokens.append(tok)
+            logps.append(logp)
+            finished |= torch.isin(tok, eos)
+            if step + 1 == sampling.max_tokens or self._all_finished(finished):
+                break
+            mask = torch.cat([mask, torch.ones((N, 1), dtype=mask.dtype, device=device)], dim=-1)  # [N, P+T]
+            logits, cache = self._forward_last(tok[:, None], mask, next_pos, cache)
+            next_pos = next_pos + 1
+        return self._to_completions(torch.stack(tokens, 1), torch.stack(logps, 1), eos, sampling.logprobs)
+
+    def _all_finished(self, finished: torch.Tensor) -> bool:
+        """True when every sequence on every rank is done (FSDP2 forwards are collectives: stop together)."""
+        done = finished.all().to(torch.int32)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return bool(done.item())
+
+    def _to_completions(self, tokens: torch.Tensor, logps: torch.Tensor, eos: torch.Tensor,
+                        want_logprobs: bool) -> list[Completion]:
+        """tokens, logps: [N, T] -> completions cut after the first EOS (kept), padding dropped."""
+        is_eos = torch.isin(tokens, eos)  # [N, T]
+        T = tokens.shape[1]
+        first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), T)  # [N] index of the first EOS, or T
+        tokens, logps, first = tokens.tolist(), logps.tolist(), first.tolist()
+        kept = [row[:f + 1] for row, f in zip(tokens, first)]
+        texts = self.tokenizer.batch_decode(kept, skip_special_tokens=True)
+        return [
+            Completion(token_ids=ids, text=text, finish_reason="stop" if f < T else "length",
+                       logprobs=lp[:f + 1] if want_logprobs else None)
+            for ids, text, f, lp in zip(kept, texts, first, logps)
+        ]
