@@ -92,7 +92,8 @@ def compile_one(fn, *, ptr_types, constexprs, num_warps, num_stages, variant) ->
     sig, attrs = _signature(fn, ptr_types, constexprs, aligned={"V", "Hdim", "N", "row_start", "chunk_rows"})
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages,
+                                       "enable_fp_fusion": True})
     tool = cuobjdump_path()
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")

@@ -222,7 +222,7 @@ def pack(
 # ----------------------------------------------------------------------------------------------------------------
 # Forward: how each attention backend is told where sequences start
 #
-# transformers (checked on 5.17-5.19, masking_utils) detects packing from position_ids by itself when
+# transformers (read in 5.19's masking_utils; present since 4.53) detects packing from position_ids when
 # attention_mask is None and no KV cache is passed (find_packed_sequence_indices), and then builds a
 # block-diagonal causal mask for sdpa/eager/flex. We still pass the boundaries explicitly where we can:
 # - flash_attention_2/3: cu_seqlens + max_seqlen go straight to flash_attn_varlen_func; otherwise transformers

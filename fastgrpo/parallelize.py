@@ -139,8 +139,7 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
     if cfg.compile:
         _apply_compile(blocks)
     if cfg.fsdp and world_size > 1:
-        import torch.distributed as dist
-
+        dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("FSDP with world_size > 1 needs an initialised process group "
                              "(fastgrpo.distributed.init_distributed)")
@@ -148,7 +147,8 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
     assert _tied(model) == tied, "parallelize_model must not untie (or tie) the embeddings"
     # Bound to this instance so that FSDP's pre/post-forward hooks can wrap it like forward.
     model.packed_forward = types.MethodType(packed_head_forward, model)
-    from torch.distributed.fsdp import register_fsdp_forward_method
+    if torch.distributed.is_available():  # builds without distributed support have no torch.distributed.fsdp
+        from torch.distributed.fsdp import register_fsdp_forward_method
 
-    register_fsdp_forward_method(model, "packed_forward")  # no-op on a plain module
+        register_fsdp_forward_method(model, "packed_forward")  # no-op on a plain module
     return model

@@ -38,6 +38,7 @@ from typing import Any, Callable
 __all__ = [
     "CHAT_TEMPLATE",
     "EOS_TOKEN",
+    "IM_START",
     "PAD_TOKEN",
     "PRESETS",
     "REASONING_TOKENS",
@@ -68,7 +69,8 @@ _MAX_POSITIONS = 2048
 # Qwen2's pre-tokenisation regex (public in every Qwen2 tokenizer.json). Without merges it changes no token,
 # but it must match for the file to equal what Qwen2Tokenizer rebuilds.
 _QWEN2_SPLIT_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 # Shape of both presets: hidden 64 = 2 heads x head_dim 32; one KV head (GQA, as in Qwen2.5).

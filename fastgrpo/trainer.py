@@ -27,8 +27,8 @@ from fastgrpo.evaluate import evaluate
 from fastgrpo.kernels import linear_grpo_loss, linear_logprobs
 from fastgrpo.losses import GlobalCounts, token_weights, truncated_importance_weights
 from fastgrpo.metrics import JsonlSink, ProgressBar, StepMetrics, Timer, WandbSink
-from fastgrpo.model import get_trunk_and_head, load_model, load_tokenizer, resolve_model_path
-from fastgrpo.packing import MicroBatch, pack, packed_hidden_states, plan_microbatches, split_to_count
+from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
+from fastgrpo.packing import MicroBatch, pack, plan_microbatches, split_to_count
 from fastgrpo.parallelize import parallelize_model
 from fastgrpo.rewards import load_reward_funcs
 from fastgrpo.rollout import SamplingParams, build_engine
@@ -171,16 +171,18 @@ class Trainer:
         bins = plan_microbatches(seq_lens, self.cfg.grpo.max_tokens_per_microbatch)
         # FSDP: every rank must run the same number of forward/backward calls (collectives per block)
         bins = split_to_count(bins, seq_lens, fdist.all_reduce_int(len(bins), "max", device=self.device))
-        return pack(ep.prompt_ids, ep.completion_ids, bins, device=self.device)
+        return pack(ep.prompt_ids, ep.completion_ids, bins, device=self.device,
+                    pad_token_id=self.tokenizer.pad_token_id or 0)
 
     @torch.no_grad()
     def logprobs(self, model: torch.nn.Module, mbs: list[MicroBatch], num_tokens: int) -> torch.Tensor:
         """Per-token log-probs [N] of the completion tokens under ``model`` (no [N, V] tensor)."""
         out = torch.zeros(num_tokens, dtype=torch.float32, device=self.device)
-        trunk, head = get_trunk_and_head(model)
+        temperature = self.cfg.rollout.temperature
         for mb in mbs:
-            hidden = packed_hidden_states(trunk, mb)  # [n, H]
-            lp = linear_logprobs(hidden, head.weight, mb.targets, temperature=self.cfg.rollout.temperature)
+            # packed_forward runs trunk -> hidden [n, H] of completion positions -> fn(hidden, lm_head.weight)
+            # inside FSDP's hooks, so sharded (and tied) weights are gathered for the head too.
+            lp = model.packed_forward(mb, lambda h, w: linear_logprobs(h, w, mb.targets, temperature=temperature))
             out[mb.flat_index] = lp
         return out
 
@@ -208,18 +210,20 @@ class Trainer:
             if g.num_iterations == 1:
                 old_lp = None  # mu = 1: old = logp.detach(), exactly as without the correction
 
-        trunk, head = get_trunk_and_head(self.model)
         for _ in range(g.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             for mb in mbs:
-                hidden = packed_hidden_states(trunk, mb)  # [n, H]
                 i = mb.flat_index
-                loss, stats = linear_grpo_loss(
-                    hidden, head.weight, mb.targets, adv[i], weights[i],
-                    old_logprobs=None if old_lp is None else old_lp[i],
-                    ref_logprobs=None if ref_lp is None else ref_lp[i],
-                    epsilon_low=g.epsilon_low, epsilon_high=g.epsilon_high, delta=g.delta, beta=g.beta,
-                    temperature=self.cfg.rollout.temperature)
+
+                def head_loss(hidden, weight, mb=mb, i=i):  # hidden [n, H], weight [V, H]
+                    return linear_grpo_loss(
+                        hidden, weight, mb.targets, adv[i], weights[i],
+                        old_logprobs=None if old_lp is None else old_lp[i],
+                        ref_logprobs=None if ref_lp is None else ref_lp[i],
+                        epsilon_low=g.epsilon_low, epsilon_high=g.epsilon_high, delta=g.delta, beta=g.beta,
+                        temperature=self.cfg.rollout.temperature)
+
+                loss, stats = self.model.packed_forward(mb, head_loss)
                 loss.backward()
                 n = float(mb.targets.numel())
                 metrics.total("loss", loss / g.num_iterations)  # each is a share of the global-batch loss

@@ -78,20 +78,20 @@ def _logits_tile(h_ptr, w_ptr, rows, mask_m, offs_v, mask_v, Hdim, stride_h, str
                  BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     # z[BLOCK_M, BLOCK_V] = hidden[rows] @ weight[offs_v].T * inv_temp, float32 accumulation over H.
+    # Pointer tiles are rebuilt from [BM] / [BV] row offsets each step instead of being carried through the
+    # loop: carried 64-bit pointer tiles cost 2 registers per element and pushed the forward kernel into spills.
     offs_k = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + rows[:, None] * stride_h + offs_k[None, :]  # [BM, BK]
-    w_ptrs = w_ptr + offs_v[None, :].to(tl.int64) * stride_w + offs_k[:, None]  # [BK, BV]
+    h_rows = h_ptr + rows * stride_h  # [BM] pointers
+    w_rows = w_ptr + offs_v.to(tl.int64) * stride_w  # [BV] pointers
     acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
     for k in range(0, Hdim, BLOCK_K):
         k_ok = offs_k < Hdim - k
-        a = tl.load(h_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & mask_v[None, :], other=0.0)
+        a = tl.load(h_rows[:, None] + (k + offs_k)[None, :], mask=mask_m[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_rows[None, :] + (k + offs_k)[:, None], mask=k_ok[:, None] & mask_v[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     return acc * inv_temp
 
 
@@ -109,28 +109,39 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
     rows = _row_ids(rows_ptr, offs_m, mask_m, HAS_ROWS)  # [BM]
-    tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1)  # [BM]
+    tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1).to(tl.int32)  # [BM]; int32 compares are cheaper
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running max of z
     s_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum exp(z - m)
     a_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum exp(z - m) * z
-    zt = tl.zeros((BLOCK_M,), dtype=tl.float32)  # z[target]
     v_first = pid_s * tiles_per_split * BLOCK_V
     for t in range(0, tiles_per_split):
         offs_v = v_first + t * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
         z = _logits_tile(h_ptr, w_ptr, rows, mask_m, offs_v, mask_v, Hdim, stride_h, stride_w, inv_temp,
                          BLOCK_M, BLOCK_V, BLOCK_K, UPCAST, PRECISION)
-        z_fin = tl.where(mask_v[None, :], z, 0.0)
-        z = tl.where(mask_v[None, :], z, float("-inf"))
+        # Padded columns hold z = 0 (masked loads) and are masked out of the max and the sums.
         # The launcher guarantees each split's first tile has valid columns, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(z, axis=1))
+        m_new = tl.maximum(m_i, tl.max(tl.where(mask_v[None, :], z, float("-inf")), axis=1))
         alpha = tl.exp(m_i - m_new)
-        e = tl.exp(z - m_new[:, None])  # [BM, BV], 0 on padded columns
+        e = tl.where(mask_v[None, :], tl.exp(z - m_new[:, None]), 0.0)  # [BM, BV]
         s_i = s_i * alpha + tl.sum(e, axis=1)
-        a_i = a_i * alpha + tl.sum(e * z_fin, axis=1)
-        zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z_fin, 0.0), axis=1)
+        a_i = a_i * alpha + tl.sum(e * z, axis=1)
         m_i = m_new
+    # Target logit as a row-wise dot with weight[target], by the split whose vocabulary range holds the target.
+    # Picking it out of each z tile with a [BM, BV] compare cost ~50 registers and pushed the kernel to 255.
+    v_end = v_first + tiles_per_split * BLOCK_V
+    has_t = mask_m & (tgt >= v_first) & (tgt < v_end)  # [BM]
+    t_rows = w_ptr + tl.where(has_t, tgt, 0).to(tl.int64) * stride_w  # [BM] pointers
+    h_rows = h_ptr + rows * stride_h
+    offs_k = tl.arange(0, BLOCK_K)
+    zt = tl.zeros((BLOCK_M,), dtype=tl.float32)  # x[target], the raw target logit
+    for k in range(0, Hdim, BLOCK_K):
+        kmask = has_t[:, None] & (offs_k < Hdim - k)[None, :]
+        a = tl.load(h_rows[:, None] + (k + offs_k)[None, :], mask=kmask, other=0.0).to(tl.float32)
+        b = tl.load(t_rows[:, None] + (k + offs_k)[None, :], mask=kmask, other=0.0).to(tl.float32)
+        zt += tl.sum(a * b, axis=1)
+    zt = zt * inv_temp
     out = pid_s * N + rows
     tl.store(m_ptr + out, m_i, mask=mask_m)
     tl.store(s_ptr + out, s_i, mask=mask_m)
@@ -158,7 +169,7 @@ def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr,
                      BLOCK_M, BLOCK_V, BLOCK_K, UPCAST, PRECISION)
     lse = tl.load(lse_ptr + rows, mask=mask_m, other=0.0)
     g = tl.load(glp_ptr + rows, mask=mask_m, other=0.0)
-    tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1)
+    tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1).to(tl.int32)
     p = tl.where(mask_v[None, :], tl.exp(z - lse[:, None]), 0.0)  # [BM, BV]
     dz = tl.where(offs_v[None, :] == tgt[:, None], g[:, None], 0.0) - g[:, None] * p
     if HAS_ENT:

@@ -87,12 +87,18 @@ def test_tokenizer_pads_left_and_falls_back_to_eos_for_padding(cache_env, tmp_pa
     tok = load_tokenizer(ModelConfig(name_or_path="tiny"))
     assert tok.padding_side == "left" and tok.pad_token == "<|endoftext|>"
 
+    # A tokenizer without a pad token (Qwen2Tokenizer would default one, so use the generic class).
     folder = tmp_path / "nopad"
-    shutil.copytree(build_tiny(cache_dir=cache_env), folder)
+    shutil.copytree(build_tiny(cache_dir=cache_env, preset="llama"), folder)
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         data = json.loads((folder / name).read_text())
         data.pop("pad_token")
+        if name == "tokenizer_config.json":
+            data["tokenizer_class"] = "PreTrainedTokenizerFast"
         (folder / name).write_text(json.dumps(data))
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(folder).pad_token is None
     tok = load_tokenizer(ModelConfig(name_or_path=str(folder)))
     assert tok.pad_token == tok.eos_token == "<|im_end|>"
     batch = tok(["ab", "abcd"], padding=True)

@@ -86,6 +86,19 @@ def test_tokenizer_round_trips_random_text(loaded):
         assert tok.decode(ids, skip_special_tokens=True) == text
 
 
+def test_tokenizer_json_alone_encodes_like_the_transformers_tokenizer(loaded):
+    # transformers 5 rebuilds a Qwen2Tokenizer from vocab + merges; other loaders read tokenizer.json as is.
+    from tokenizers import Tokenizer
+
+    path, tok, _, _ = loaded
+    raw = Tokenizer.from_file(str(path / "tokenizer.json"))
+    rng = random.Random()
+    for _ in range(10):
+        text = _random_text(rng, 60) + rng.choice(SPECIAL_TOKENS + REASONING_TOKENS) + _random_text(rng, 5)
+        assert raw.encode(text, add_special_tokens=False).ids == tok.encode(text, add_special_tokens=False)
+    assert raw.get_vocab_size(with_added_tokens=True) == len(tok)
+
+
 def test_ascii_is_one_token_per_character(loaded):
     _, tok, _, _ = loaded
     text = "".join(random.choice(string.printable) for _ in range(50))

@@ -19,7 +19,7 @@ from fastgrpo.trainer import Trainer
 # gradient, the completion-only masking and the group advantages all to be right.
 TOY = ["data.source=toy", "rewards.funcs=[toy_digit]", "model.name_or_path=tiny", "device=cpu",
        "rollout.max_completion_length=4", "grpo.prompts_per_step=8", "grpo.num_generations=8",
-       "optim.lr=3e-3", "optim.warmup_steps=0", "optim.schedule=constant", "grpo.loss_type=dapo",
+       "optim.lr=1e-2", "data.system_prompt=''", "optim.warmup_steps=0", "optim.schedule=constant", "grpo.loss_type=dapo",
        "eval.every=-1", "log.progress=false", "checkpoint.export_hf=false", "log.completions_per_step=2"]
 
 
@@ -29,7 +29,7 @@ def _rewards(run_dir: Path) -> list[float]:
 
 
 def test_grpo_learns_the_toy_task(tmp_path):
-    cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=learn", "max_steps=30"])
+    cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=learn", "max_steps=20"])
     Trainer(cfg).run()
     rewards = _rewards(tmp_path / "learn")
     start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3

@@ -8,7 +8,11 @@ reset the trainer's global RNG stream. The loop here does temperature + top-p an
 
 Padding: prompts of a chunk are left-padded to the same length with an attention mask, and position ids
 count real tokens only (``cumsum(mask) - 1``), so a padded prompt sees exactly the positions it would see
-alone (the padded-vs-alone test checks this token for token).
+alone (as the trainer's packed forward will). RoPE attention depends only on position differences, so the
+mask is what keeps padded and unpadded generation equal; the padded-vs-alone test checks it token for token.
+
+Seeding: one ``torch.Generator`` per call, drawn from in chunk order, so a seed reproduces a call exactly
+for the same prompts, n and batch_size (changing batch_size changes which draws each sequence gets).
 
 Legend: N sequences in a chunk (prompts x n), P longest prompt in the chunk, T decode steps so far,
 V vocabulary size.
@@ -26,6 +30,22 @@ from torch import nn
 from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingParams
 
 __all__ = ["HFEngine", "sample_next"]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _reshard(model: nn.Module) -> None:
+    """Free FSDP2's gathered parameters (the root keeps them after a forward): the sharded DTensors are the
+    weights, so a copy into a gathered parameter would be lost, and rollout memory should be released."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2: nothing can be sharded
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _eos_ids(model: nn.Module, tokenizer) -> list[int]:
@@ -51,8 +71,7 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams,
 
     Reported log-prob: ``log_softmax(logits / T)`` of the chosen token, *not* renormalised over the top-p
     set. That is the quantity the trainer recomputes (it knows T but not the nucleus), so the two can be
-    compared for the importance-sampling correction; vLLM's 'processed_logprobs' reports the same for T.
-    For greedy (T == 0) the log-prob is taken at T = 1.
+    compared for the importance-sampling correction. For greedy (T == 0) the log-prob is taken at T = 1.
     """
     logits = logits.float()
     greedy = sampling.temperature == 0
@@ -74,8 +93,9 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams,
 class HFEngine(RolloutEngine):
     """Generates with the policy module itself (single process or FSDP2, no copy of the weights).
 
-    Under torch.distributed every rank must call :meth:`generate` with the same number of sequences: the
-    decode loop runs until *all* ranks are done, because an FSDP2-sharded forward is a collective.
+    Under torch.distributed every rank must call :meth:`generate` with the same number of sequences and the
+    same max_tokens: the decode loop runs until *all* ranks are done, because an FSDP2-sharded forward is a
+    collective. FSDP2's gathered parameters are freed after each call.
     """
 
     def __init__(self, model: nn.Module, tokenizer, *, batch_size: int = 64):
@@ -116,6 +136,7 @@ class HFEngine(RolloutEngine):
                     flat += self._generate_chunk(seqs[start:start + self.batch_size], sampling, generator, device)
         finally:
             self.model.train(was_training)
+            _reshard(self.model)
         return [flat[b * n:(b + 1) * n] for b in range(len(prompts))]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -123,8 +144,10 @@ class HFEngine(RolloutEngine):
 
         The engine generates with the policy itself, so the trainer's own parameters need no copy (a tensor
         that *is* the model's storage is skipped); tensors from elsewhere (another model object, a checkpoint)
-        are copied in place. Unknown names and shape mismatches raise, naming the tensor.
+        are copied in place; into an FSDP2-sharded model each rank copies its shard of the full tensor.
+        Unknown names and shape mismatches raise, naming the tensor.
         """
+        _reshard(self.model)
         own = dict(self.model.named_parameters(remove_duplicate=False))
         own.update(self.model.named_buffers(remove_duplicate=False))
         with torch.no_grad():
@@ -135,7 +158,19 @@ class HFEngine(RolloutEngine):
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                                      f"the model's is {tuple(target.shape)}")
-                if tensor.data_ptr() != target.data_ptr():
+                if tensor is target:
+                    continue
+                if _is_dtensor(target) and not _is_dtensor(tensor):
+                    # FSDP2-sharded policy: every rank holds the full tensor and keeps its own shard of it.
+                    # src_data_rank=None (torch >= 2.7) slices locally instead of scattering from rank 0.
+                    from torch.distributed.tensor import distribute_tensor
+
+                    local = {"src_data_rank": None} if "src_data_rank" in inspect.signature(
+                        distribute_tensor).parameters else {}
+                    tensor = distribute_tensor(tensor.to(target.device, target.dtype), target.device_mesh,
+                                               target.placements, **local)
+                    target.to_local().copy_(tensor.to_local())
+                elif tensor.data_ptr() != target.data_ptr():
                     target.copy_(tensor)
 
     # -- decode loop ------------------------------------------------------------------------------------------

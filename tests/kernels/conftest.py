@@ -8,9 +8,11 @@ import importlib.util
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for path in (REPO, HERE):  # benchmarks.harness; _cases.py (also under --import-mode=importlib)
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 try:
     import fastgrpo.kernels  # noqa: F401

@@ -1,0 +1,204 @@
+"""Fused lm_head -> GRPO loss: forward + backward time and peak memory against the alternatives.
+
+    python benchmarks/bench_kernels.py --out results/kernels.csv      # full grid, one H100, < 10 min
+    python benchmarks/bench_kernels.py --quick                        # tiny shapes, CPU is fine
+
+Methods (same inputs from harness.make_inputs, bf16, DAPO-style token weights, old_logprobs = None):
+  ours         fastgrpo.kernels.linear_grpo_loss (Triton on CUDA, chunked torch on CPU)
+  naive        full fp32 logits, log_softmax, gather (TRL's path; reference_linear_grpo_loss)
+  liger        Liger-Kernel's LigerFusedLinearGRPOLoss (chunked torch), when installed
+  liger_triton Liger-Kernel's Triton grpo_loss op on materialised bf16 logits, when installed
+  floor        three cuBLAS matmuls: hidden @ W.T, dZ @ W, dZ.T @ hidden (what any exact method must do;
+               ours recomputes the logits in backward, so its own floor is 4 matmuls)
+Peak MB is CUDA max_memory_allocated above the inputs (grads included); CPU runs do not measure memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness import Shape, make_inputs, time_fwd_bwd  # noqa: E402
+
+try:
+    import fastgrpo.kernels as fk  # noqa: E402
+except ImportError:  # source tree, not installed: load kernels/ under its package name
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "fastgrpo.kernels", REPO / "kernels" / "__init__.py", submodule_search_locations=[str(REPO / "kernels")]
+    )
+    fk = importlib.util.module_from_spec(spec)
+    sys.modules["fastgrpo.kernels"] = fk
+    spec.loader.exec_module(fk)
+
+LIGER_T = 1024  # tokens per sequence in the Liger benchmark grid
+FULL_SHAPES = (
+    [Shape(n=b * LIGER_T, h=4096, v=128256, label=f"liger B={b}") for b in (2, 4, 8, 16)]
+    + [Shape(n=n, h=h, v=151936, label=f"qwen2.5 H={h}") for h in (1536, 2048, 3584) for n in (4096, 16384, 32768)]
+)
+QUICK_SHAPES = [Shape(n=64, h=32, v=509, label="quick"), Shape(n=256, h=72, v=4231, label="quick odd")]
+
+
+def _ours(inp):
+    loss, _ = fk.linear_grpo_loss(inp["hidden"], inp["weight"], inp["targets"], inp["advantages"],
+                                  inp["token_weights"])
+    torch.autograd.grad(loss, (inp["hidden"], inp["weight"]))
+
+
+def _naive(inp):
+    loss, _ = fk.reference_linear_grpo_loss(inp["hidden"], inp["weight"], inp["targets"], inp["advantages"],
+                                            inp["token_weights"])
+    torch.autograd.grad(loss, (inp["hidden"], inp["weight"]))
+
+
+def _floor(inp):
+    h, w = inp["hidden"].detach(), inp["weight"].detach()
+    logits = h @ w.T  # [N, V]; stands in for dZ too: same shape and dtype, so the same cost
+    logits @ w  # [N, H]
+    logits.T @ h  # [V, H]
+
+
+def _liger_sequences(inp, t_len):
+    n, h_dim = inp["hidden"].shape
+    if n % t_len:
+        t_len = n  # one sequence when N is not a multiple (quick shapes)
+    b = n // t_len
+    return b, t_len
+
+
+def _make_liger(inp):
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    module = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False)
+    b, t_len = _liger_sequences(inp, LIGER_T)
+    h3 = inp["hidden"].view(b, t_len, -1)
+    ids = inp["targets"].view(b, t_len)
+    mask = torch.ones_like(ids)
+    adv = inp["advantages"].view(b, t_len)[:, 0].contiguous()
+
+    def run(_inp):
+        out = module(h3, inp["weight"], ids, mask, adv)
+        loss = out[0] if isinstance(out, tuple) else out
+        torch.autograd.grad(loss, (inp["hidden"], inp["weight"]))
+
+    return run
+
+
+def _make_liger_triton(inp):
+    from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+    b, t_len = _liger_sequences(inp, LIGER_T)
+    h3 = inp["hidden"].view(b, t_len, -1)
+    ids = inp["targets"].view(b, t_len)
+    mask = torch.ones_like(ids)
+    adv = inp["advantages"].view(b, t_len)[:, 0].contiguous()
+
+    def run(_inp):
+        # The op wants logits for L+1 positions (it drops the last): append one row per sequence.
+        logits = torch.cat([h3, h3[:, -1:]], dim=1) @ inp["weight"].T  # [B, T+1, V] bf16
+        out = triton_grpo_loss(logits, None, None, ids, adv, mask, temperature=1.0, beta=0.0,
+                               eps_low=0.2, eps_high=0.2)
+        loss = out[0] if isinstance(out, tuple) else out
+        if loss.dim() > 0:
+            loss = (loss * mask).sum() / mask.sum()
+        torch.autograd.grad(loss, (inp["hidden"], inp["weight"]))
+
+    return run
+
+
+METHODS = {
+    "ours": lambda inp: _ours,
+    "naive": lambda inp: _naive,
+    "liger": _make_liger,
+    "liger_triton": _make_liger_triton,
+    "floor": lambda inp: _floor,
+}
+
+
+def bench(shapes, *, device, dtype, methods, warmup, reps, zero_weight_frac) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        inp = make_inputs(shape, dtype=dtype, device=device, seed=0, zero_weight_frac=zero_weight_frac)
+        for name in methods:
+            row = dict(label=shape.label, n=shape.n, h=shape.h, v=shape.v, method=name, ms="", peak_mb="", note="")
+            try:
+                fn = METHODS[name](inp)
+                ms, peak = time_fwd_bwd(lambda: fn(inp), warmup=warmup, reps=reps)
+                row.update(ms=f"{ms:.2f}", peak_mb="" if peak != peak else f"{peak:.0f}")
+            except ImportError as exc:
+                row["note"] = f"not installed ({exc.name or exc})"
+            except torch.cuda.OutOfMemoryError:
+                row["note"] = "OOM"
+            except Exception as exc:  # a baseline's API changed: report, keep going
+                row["note"] = f"error: {type(exc).__name__}: {str(exc)[:80]}"
+            finally:
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            print(f"  {shape.label:>18} N={shape.n:<6} {name:<13} {row['ms'] or '-':>9} ms "
+                  f"{row['peak_mb'] or '-':>8} MB {row['note']}", flush=True)
+        del inp
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| shape | N | H | V | method | fwd+bwd ms | peak MB | note |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['n']} | {r['h']} | {r['v']} | {r['method']} | {r['ms'] or '-'} "
+                     f"| {r['peak_mb'] or '-'} | {r['note']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes; runs on CPU")
+    parser.add_argument("--out", type=Path, help="CSV output path")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--zero-weight-frac", type=float, default=0.0, help="fraction of tokens with weight 0")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    if not args.quick and not cuda:
+        print("bench_kernels: the full grid needs a CUDA GPU (none found); use --quick for a CPU smoke run")
+        return 2
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        parser.error(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+    dev_name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
+    header = (f"device: {dev_name}; torch {torch.__version__}; dtype {dtype}; "
+              f"date {datetime.datetime.now().isoformat(timespec='seconds')}; "
+              f"command: {' '.join(sys.argv)}")
+    print(header, flush=True)
+    rows = bench(shapes, device=device, dtype=dtype, methods=methods, warmup=args.warmup, reps=args.reps,
+                 zero_weight_frac=args.zero_weight_frac)
+    print()
+    print(markdown(rows))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("w", newline="") as f:
+            f.write(f"# {header}\n")
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""Policy-update throughput: packed micro-batches vs TRL-style padded batches.
+
+One policy update = forward, backward and AdamW step over a GRPO batch (B prompts x G completions). The same
+batch is run two ways on the same random-weight model:
+
+  packed  fastgrpo.packing: token-budget micro-batches, one [1, T] row each, no padding, lm_head on
+          completion tokens only.
+  padded  TRL's layout: micro-batches of --padded-batch sequences in batch order, prompts left-padded and
+          completions right-padded to the longest in the micro-batch, [B, Lmax] with an attention mask.
+
+Both use the same loss head (fastgrpo.kernels.linear_grpo_loss; padded completion positions get token weight 0,
+which the kernel skips, so the difference measures the trunk's padding waste only -- TRL also pays the lm_head
+on padding). Lengths follow Countdown: prompts uniform in [100, 150] tokens (shared by a prompt's G samples),
+completions lognormal with mean ~300, capped at 1024.
+
+tokens/s counts real tokens (prompt + completion, no padding). MFU = useful FLOPs / time / peak, with
+useful FLOPs = 6 * N_trunk * T + 6 * H * V * N_completion + 6 * layers * d_attn * sum_i len_i^2
+(N_trunk: parameters without the embedding; the lm_head matmul counted on completion tokens only; causal
+attention fwd+bwd). The same useful FLOPs are used for both modes, so MFU also ranks them.
+
+    python benchmarks/bench_learner.py                 # GPU: Qwen2.5-0.5B and 1.5B shapes, < 10 min on an H100
+    python benchmarks/bench_learner.py --quick         # CPU smoke test with a tiny model (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
+
+from fastgrpo.packing import pack, packed_head_forward, plan_microbatches  # noqa: E402
+
+# Shapes of the public Qwen2.5 configs (random weights, nothing downloaded).
+MODEL_SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, vocab_size=257, tie_word_embeddings=True),
+}
+
+# Dense bf16 peak FLOP/s by device-name substring (vendor data sheets, no sparsity).
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+
+
+@dataclass(kw_only=True)
+class Row:
+    model: str
+    mode: str
+    attn: str
+    device: str
+    sequences: int
+    real_tokens: int
+    slots: int
+    """tokens the trunk actually processed (padding included)."""
+    microbatches: int
+    step_s: float
+    tokens_per_s: float
+    mfu: float | None
+    peak_mem_gb: float | None
+    check_logp: float
+    """sum(w * logp) of the first step: packed and padded must agree (a correctness check, not a figure)."""
+    grad_norm: float
+    """gradient norm of the first step: packed and padded must agree."""
+    error: str = ""
+
+
+def countdown_lengths(num_prompts: int, generations: int, *, seed: int, quick: bool) -> tuple[list[int], list[int]]:
+    """Prompt and completion lengths per sequence (prompt lengths repeat within a group of G)."""
+    g = torch.Generator().manual_seed(seed)
+    if quick:
+        p_lo, p_hi, mean, cap = 4, 12, 10.0, 32
+    else:
+        p_lo, p_hi, mean, cap = 100, 150, 300.0, 1024
+    sigma = 0.6
+    mu = math.log(mean) - sigma**2 / 2  # lognormal mean = exp(mu + sigma^2 / 2)
+    prompts = torch.randint(p_lo, p_hi + 1, (num_prompts,), generator=g).repeat_interleave(generations)
+    comp = torch.exp(mu + sigma * torch.randn(num_prompts * generations, generator=g)).round().clamp(1, cap)
+    return prompts.int().tolist(), comp.int().tolist()
+
+
+def build_model(name: str, attn: str, device: torch.device, dtype: torch.dtype, seed: int):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(max_position_embeddings=4096, attn_implementation=attn, **MODEL_SHAPES[name])
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialise on the device: a 1.5B init on the host takes minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.train()
+
+
+def loss_head(targets, advantages, weights):
+    """head(hidden [N, H], weight [V, H]) -> (loss, stats) with the project's fused op, or a chunked fallback."""
+    try:
+        from fastgrpo.kernels import linear_grpo_loss
+    except ImportError:  # kernels not installed: same maths, chunked so that no [N, V] tensor stays alive
+        def linear_grpo_loss(hidden, weight, targets, advantages, token_weights):
+            from torch.utils.checkpoint import checkpoint
+
+            def chunk_logp(h, t):
+                logits = (h @ weight.T).float()  # [C, V]
+                return logits.gather(1, t[:, None])[:, 0] - logits.logsumexp(-1)
+
+            logp = torch.cat([checkpoint(chunk_logp, h, t, use_reentrant=False)
+                              for h, t in zip(hidden.split(2048), targets.split(2048))])
+            loss = -(token_weights * advantages * torch.exp(logp - logp.detach())).sum()
+            return loss, {"logprobs": logp.detach() * (token_weights != 0)}
+
+    def head(hidden, weight):
+        return linear_grpo_loss(hidden, weight, targets, advantages, weights)
+
+    return head
+
+
+def make_batch(prompt_lens, comp_lens, vocab, seed):
+    g = torch.Generator().manual_seed(seed + 1)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in prompt_lens]
+    completions = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in comp_lens]
+    F = sum(comp_lens)
+    weights = torch.full((F,), 1.0 / F)  # dapo: 1 / sum_i L_i
+    advantages = torch.randn(len(comp_lens), generator=g).repeat_interleave(torch.tensor(comp_lens))  # [F]
+    return prompts, completions, weights, advantages
+
+
+def packed_step(model, batch, device, max_tokens):
+    """One update over packed micro-batches; returns (slots, micro-batches, sum(w * logp))."""
+    prompts, completions, weights, advantages = batch
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    mbs = pack(prompts, completions, plan_microbatches(lengths, max_tokens), device)
+    w, adv = weights.to(device), advantages.to(device)
+    check = torch.zeros((), device=device)
+    for mb in mbs:
+        head = loss_head(mb.targets, adv[mb.flat_index], w[mb.flat_index])
+        loss, stats = packed_head_forward(model, mb, head)
+        loss.backward()
+        check += (w[mb.flat_index] * stats["logprobs"]).sum()
+    return sum(mb.num_tokens for mb in mbs), len(mbs), check
+
+
+def padded_step(model, batch, device, micro_batch):
+    """One update over TRL-style padded micro-batches; returns (slots, micro-batches, sum(w * logp))."""
+    prompts, completions, weights, advantages = batch
+    offsets = [0, *torch.tensor([len(c) for c in completions]).cumsum(0).tolist()]
+    trunk, weight = model.get_decoder(), model.get_output_embeddings().weight
+    check, slots, count = torch.zeros((), device=device), 0, 0
+    for start in range(0, len(prompts), micro_batch):
+        idx = range(start, min(start + micro_batch, len(prompts)))
+        P = max(len(prompts[i]) for i in idx)
+        C = max(len(completions[i]) for i in idx)
+        ids = torch.zeros(len(idx), P + C, dtype=torch.long)  # [B, Lmax]
+        mask = torch.zeros(len(idx), P + C, dtype=torch.long)  # [B, Lmax]
+        targets = torch.zeros(len(idx), C, dtype=torch.long)  # [B, C]
+        w = torch.zeros(len(idx), C)
+        adv = torch.zeros(len(idx), C)
+        for r, i in enumerate(idx):
+            p, c = prompts[i], completions[i]
+            ids[r, P - len(p):P] = torch.tensor(p)  # left-pad the prompt
+            ids[r, P:P + len(c)] = torch.tensor(c)  # right-pad the completion
+            mask[r, P - len(p):P + len(c)] = 1
+            targets[r, :len(c)] = torch.tensor(c)
+            w[r, :len(c)] = weights[offsets[i]:offsets[i + 1]]
+            adv[r, :len(c)] = advantages[offsets[i]:offsets[i + 1]]
+        ids, mask = ids.to(device), mask.to(device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, Lmax] so that positions match the unpadded model
+        hidden = trunk(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+        hidden = hidden[:, P - 1:P + C - 1].reshape(-1, hidden.shape[-1])  # [B * C, H]: predicts completions
+        w, adv, targets = w.flatten().to(device), adv.flatten().to(device), targets.flatten().to(device)
+        loss, stats = loss_head(targets, adv, w)(hidden, weight)
+        loss.backward()
+        check += (w * stats["logprobs"]).sum()
+        slots += ids.numel()
+        count += 1
+    return slots, count, check
+
+
+def useful_flops(model, prompt_lens, comp_lens) -> float:
+    """Useful training FLOPs of one update (see the module docstring)."""
+    cfg = model.config
+    n_trunk = sum(p.numel() for p in model.get_decoder().parameters()) - model.get_input_embeddings().weight.numel()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    d_attn = cfg.num_attention_heads * head_dim
+    totals = [p + c for p, c in zip(prompt_lens, comp_lens)]
+    return (6 * n_trunk * sum(totals) + 6 * cfg.hidden_size * cfg.vocab_size * sum(comp_lens)
+            + 6 * cfg.num_hidden_layers * d_attn * sum(t * t for t in totals))
+
+
+def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def pick_attn(requested: str, device: torch.device) -> str:
+    """auto: flash_attention_2 if flash_attn is installed, else flex_attention on CUDA, else sdpa."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "flex_attention" if device.type == "cuda" else "sdpa"
+
+
+def run_one(name, mode, attn, args, device, dtype, lengths) -> Row:
+    prompt_lens, comp_lens = lengths
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    model = build_model(name, attn, device, dtype, args.seed)
+    batch = make_batch(prompt_lens, comp_lens, model.config.vocab_size, args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
+    step = (lambda: packed_step(model, batch, device, args.max_tokens)) if mode == "packed" else \
+        (lambda: padded_step(model, batch, device, args.padded_batch))
+    times, first = [], None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for i in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        slots, count, check = step()
+        if first is None:  # before any update: both modes see the same weights
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            first = (float(check), float(norm))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = sorted(times)[len(times) // 2]
+    real = sum(prompt_lens) + sum(comp_lens)
+    peak = peak_flops(device, args.peak_tflops)
+    row = Row(model=name, mode=mode, attn=attn, device=_device_name(device), sequences=len(comp_lens),
+              real_tokens=real, slots=slots, microbatches=count, step_s=step_s, tokens_per_s=real / step_s,
+              mfu=useful_flops(model, prompt_lens, comp_lens) / step_s / peak if peak else None,
+              peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+              check_logp=first[0], grad_norm=first[1])
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def markdown(rows: list[Row]) -> str:
+    head = "| model | mode | attn | seqs | real tokens | slots | mbs | step s | tokens/s | MFU | peak GB | error |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"
+        mem = f"{r.peak_mem_gb:.1f}" if r.peak_mem_gb is not None else "n/a"
+        lines.append(f"| {r.model} | {r.mode} | {r.attn} | {r.sequences} | {r.real_tokens} | {r.slots} | "
+                     f"{r.microbatches} | {r.step_s:.3f} | {r.tokens_per_s:,.0f} | {mfu} | {mem} | {r.error} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny model, 8 short sequences, fp32")
+    ap.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b", help=f"comma list of {list(MODEL_SHAPES)}")
+    ap.add_argument("--prompts", type=int, default=16, help="B prompts per step")
+    ap.add_argument("--generations", type=int, default=8, help="G completions per prompt")
+    ap.add_argument("--max-tokens", type=int, default=16384, help="packed token budget per micro-batch")
+    ap.add_argument("--padded-batch", type=int, default=8, help="sequences per padded micro-batch")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--attn", default="auto", help="packed attention: auto|flash_attention_2|flex_attention|sdpa")
+    ap.add_argument("--padded-attn", default="sdpa", help="padded attention (TRL default: sdpa)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="override the device's dense bf16 peak")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results/bench_learner", help="writes OUT.csv and OUT.md")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.prompts, args.generations = "tiny", 2, 4
+        args.max_tokens, args.padded_batch, args.steps, args.warmup = 64, 4, 1, 0
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lengths = countdown_lengths(args.prompts, args.generations, seed=args.seed, quick=args.quick)
+    rows = []
+    for name in args.models.split(","):
+        for mode, attn in (("packed", pick_attn(args.attn, device)), ("padded", args.padded_attn)):
+            t0 = time.perf_counter()
+            try:
+                rows.append(run_one(name, mode, attn, args, device, dtype, lengths))
+            except Exception as e:  # one failing backend must not hide the other figures
+                if args.quick:
+                    raise
+                rows.append(Row(model=name, mode=mode, attn=attn, device=_device_name(device),
+                                sequences=len(lengths[1]), real_tokens=0, slots=0, microbatches=0, step_s=float("nan"),
+                                tokens_per_s=float("nan"), mfu=None, peak_mem_gb=None, check_logp=float("nan"),
+                                grad_norm=float("nan"), error=f"{type(e).__name__}: {str(e)[:120]}"))
+            print(f"[{name} {mode} {attn}] {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    table = markdown(rows)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    cmd = "python benchmarks/bench_learner.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out.with_suffix(".md").write_text(f"{time.strftime('%Y-%m-%d')} on {_device_name(device)}, torch "
+                                      f"{torch.__version__}\n\n`{cmd}`\n\n{table}\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

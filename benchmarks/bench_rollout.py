@@ -1,0 +1,132 @@
+"""Rollout throughput (vLLM vs the transformers engine) and vLLM weight-sync speed.
+
+    python benchmarks/bench_rollout.py                       # the tiny model, on whatever device there is
+    python benchmarks/bench_rollout.py --model-path ~/Qwen2.5-0.5B-Instruct --prompts 32 --n 8 --max-tokens 256
+
+Both engines get the same pre-tokenized prompts and sampling settings; tokens/s counts generated tokens
+(EOS included) over the wall time of one generate() call after one warm-up call. Weight sync streams the
+policy's parameters (``iter_full_tensors``) into the engine; seconds per GB is wall time / bytes sent.
+Prints a markdown table and writes it, with a CSV, under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastgrpo.rollout.base import SamplingParams  # noqa: E402
+from fastgrpo.rollout.weight_sync import iter_full_tensors  # noqa: E402
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+        return f"{model} ({torch.get_num_threads()} torch threads)"
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "cpu"
+
+
+def timed_generate(engine, prompts, n, sampling) -> tuple[float, int]:
+    engine.generate(prompts[:2], n, sampling)  # warm-up (allocations, lazy init)
+    start = time.perf_counter()
+    out = engine.generate(prompts, n, sampling)
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(c.token_ids) for row in out for c in row)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None, help="local HF folder (default: the tiny model)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--n", type=int, default=8, help="completions per prompt")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--sync-repeats", type=int, default=3)
+    ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default="benchmarks/out")
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fastgrpo.rollout.hf import HFEngine
+    from fastgrpo.rollout.vllm import VLLMEngine
+    from fastgrpo.tiny import build_tiny
+
+    cuda = torch.cuda.is_available()
+    dtype_name = args.dtype or ("bfloat16" if cuda else "float32")
+    dtype = getattr(torch, dtype_name)
+    path = Path(args.model_path).expanduser() if args.model_path else build_tiny(seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda" if cuda else "cpu").eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    rng = random.Random(0)
+    vocab = min(len(tokenizer), 256 if not args.model_path else len(tokenizer))
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+
+    rows = []
+    vllm_engine = VLLMEngine(path, dtype=dtype_name, max_model_len=args.prompt_len + args.max_tokens,
+                             gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=0)
+    seconds, tokens = timed_generate(vllm_engine, prompts, args.n, sampling)
+    rows.append({"what": "generate", "engine": "vllm", "tokens": tokens, "seconds": seconds,
+                 "tokens_per_s": tokens / seconds})
+    if not args.skip_hf:
+        hf = HFEngine(model, tokenizer, batch_size=args.hf_batch_size)
+        seconds, tokens = timed_generate(hf, prompts, args.n, sampling)
+        rows.append({"what": "generate", "engine": "hf", "tokens": tokens, "seconds": seconds,
+                     "tokens_per_s": tokens / seconds})
+    for _ in range(args.sync_repeats):
+        vllm_engine.update_weights(iter_full_tensors(model))
+        gb = vllm_engine.last_sync_bytes / 1e9
+        rows.append({"what": "weight_sync", "engine": "vllm", "bytes": vllm_engine.last_sync_bytes,
+                     "seconds": vllm_engine.last_sync_seconds, "seconds_per_gb": vllm_engine.last_sync_seconds / gb})
+    vllm_engine.close()
+
+    device = device_name()
+    header = (f"device: {device}; model: {path.name} ({n_params / 1e6:.2f} M params, {dtype_name}); "
+              f"{args.prompts} prompts x {args.n} samples, prompt {args.prompt_len} tokens, "
+              f"max_tokens {args.max_tokens}, T={args.temperature}; "
+              f"date {datetime.date.today().isoformat()}; command: python {' '.join(sys.argv)}")
+    lines = ["| what | engine | tokens or bytes | seconds | tokens/s | s/GB |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        amount = r.get("tokens", r.get("bytes"))
+        tps = f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else ""
+        spg = f"{r['seconds_per_gb']:.2f}" if "seconds_per_gb" in r else ""
+        lines.append(f"| {r['what']} | {r['engine']} | {amount} | {r['seconds']:.3f} | {tps} | {spg} |")
+    table = header + "\n\n" + "\n".join(lines) + "\n"
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rollout.md").write_text(table)
+    with open(out / "rollout.csv", "w", newline="") as f:
+        fields = ["what", "engine", "tokens", "bytes", "seconds", "tokens_per_s", "seconds_per_gb"]
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in fields} | {"what": r["what"]})
+        f.write(f"# {header}\n")
+
+
+if __name__ == "__main__":
+    main()

