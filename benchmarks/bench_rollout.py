@@ -40,6 +40,33 @@ def device_name() -> str:
         return platform.processor() or "cpu"
 
 
+# Qwen2.5-0.5B's shapes (public config.json), for a random-weight model of realistic size without the hub.
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
+
+
+def random_model_folder(shape: dict, cache: Path) -> Path:
+    """A random-weight Qwen2 folder with ``shape``, reusing the tiny model's tokenizer (ids < 263 only)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+
+    from fastgrpo.tiny import build_tiny
+
+    out = cache / f"random-qwen2-{shape['hidden_size']}x{shape['num_hidden_layers']}"
+    if (out / "config.json").is_file():
+        return out
+    tiny = build_tiny(seed=0)
+    ids = AutoConfig.from_pretrained(tiny)
+    cfg = Qwen2Config(**shape, head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+                      eos_token_id=ids.eos_token_id, pad_token_id=ids.pad_token_id, bos_token_id=ids.bos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(out)
+    for f in tiny.iterdir():
+        if f.name.startswith("tokenizer") or f.name.startswith("chat_template") or f.name == "special_tokens_map.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
 def timed_generate(engine, prompts, n, sampling) -> tuple[float, int]:
     engine.generate(prompts[:2], n, sampling)  # warm-up (allocations, lazy init)
     start = time.perf_counter()
@@ -51,6 +78,8 @@ def timed_generate(engine, prompts, n, sampling) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="local HF folder (default: the tiny model)")
+    ap.add_argument("--shape", choices=["tiny", "qwen2.5-0.5b"], default="tiny",
+                    help="without --model-path: the tiny model, or a random model of Qwen2.5-0.5B's shapes")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=8, help="completions per prompt")
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -73,7 +102,12 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     dtype_name = args.dtype or ("bfloat16" if cuda else "float32")
     dtype = getattr(torch, dtype_name)
-    path = Path(args.model_path).expanduser() if args.model_path else build_tiny(seed=0)
+    if args.model_path:
+        path = Path(args.model_path).expanduser()
+    elif args.shape == "qwen2.5-0.5b":
+        path = random_model_folder(QWEN25_05B, Path.home() / ".cache" / "fastgrpo")
+    else:
+        path = build_tiny(seed=0)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -81,7 +115,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda" if cuda else "cpu").eval()
     n_params = sum(p.numel() for p in model.parameters())
     rng = random.Random(0)
-    vocab = min(len(tokenizer), 256 if not args.model_path else len(tokenizer))
+    vocab = len(tokenizer) if args.model_path else 256  # byte tokens of the tiny tokenizer
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
 

@@ -96,7 +96,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str) -
 
 
 def resolve_model_path(cfg: ModelConfig, *, seed: int = 0) -> str:
-    """'tiny[:preset]' -> the locally built folder (built on first use); anything else is returned as is."""
+    """'tiny[:preset]' -> the locally built folder (built on first use, ``seed`` picks its weights); a path
+    (leading /, ./, ../, ~ or more than one '/') must be an existing folder; anything else is a hub id."""
     name = cfg.name_or_path
     if name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":"):
         from fastgrpo.tiny import build_tiny

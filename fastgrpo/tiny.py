@@ -271,6 +271,7 @@ def build_tiny(*, seed: int = 0, cache_dir: str | Path | None = None, preset: st
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
         _write_folder(tmp, seed=seed, preset=preset)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
         try:
             os.rename(tmp, final)
         except OSError:

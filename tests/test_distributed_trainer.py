@@ -1,0 +1,49 @@
+"""The whole trainer under torchrun with 2 gloo processes (FSDP2), and a checkpoint resumed on 1 process."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+ARGS = ["data.source=toy", "rewards.funcs=[toy_digit]", "model.name_or_path=tiny", "device=cpu",
+        "rollout.max_completion_length=3", "grpo.prompts_per_step=2", "grpo.num_generations=4",
+        "optim.lr=1e-2", "data.system_prompt=''", "eval.every=-1", "log.progress=false",
+        "grpo.max_tokens_per_microbatch=64", "checkpoint.every=1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+
+
+def test_two_process_fsdp_training_then_resume_on_one_process(tmp_path):
+    out = [f"output_dir={tmp_path}", "name=dist"]
+    two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(_free_port()), "-m", "fastgrpo.train", *ARGS, *out, "max_steps=2", "checkpoint.export_hf=false"])
+    assert two.returncode == 0, two.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    # both ranks' sequences count in the global normalisers: 2 ranks x 2 prompts x 4 completions x 3 tokens
+    assert rows[0]["perf/update_tokens"] > 0
+    ckpt = tmp_path / "dist" / "checkpoints" / "step_000002"
+    assert (ckpt / "rng_rank0.pt").is_file() and (ckpt / "rng_rank1.pt").is_file()
+
+    one = _run([sys.executable, "-m", "fastgrpo.train", *ARGS, *out, "max_steps=3"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "resumed from" in one.stdout and "step_000002" in one.stdout
+    rows = [json.loads(x) for x in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (tmp_path / "dist" / "final" / "model.safetensors").is_file()
