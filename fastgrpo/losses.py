@@ -75,9 +75,17 @@ def token_weights(loss_type: str, lengths: torch.Tensor, counts: GlobalCounts) -
 
 
 def truncated_importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Per-token truncated importance weight min(pi_old / pi_sampler, cap) [N] (TRL's default TIS correction).
+    """Per-token truncated importance weight ``min(pi_old / pi_sampler, cap)`` [N] (TRL's default TIS correction).
 
-    Multiplied into the token weights, it corrects the mismatch between the sampler (vLLM's kernels) and the trainer
-    without touching the loss itself; it is a constant (no gradient).
+    The rollout engine samples with its own kernels (with vLLM, its own copy of the weights, often in another
+    precision), so the behaviour policy is not exactly the one the trainer differentiates. Multiplied into the token
+    weights, this corrects that bias while the cap bounds the variance (Yao et al., 2025). It is a constant: no
+    gradient flows through it.
     """
-    return torch.exp(old_logprobs - sampler_logprobs).clamp(max=cap).detach()
+    if cap <= 0:
+        raise ValueError(f"rollout.importance_sampling_cap: must be > 0, got {cap}")
+    if old_logprobs.shape != sampler_logprobs.shape:
+        raise ValueError(f"old log-probs {tuple(old_logprobs.shape)} and sampler log-probs "
+                         f"{tuple(sampler_logprobs.shape)} must have the same shape")
+    log_ratio = old_logprobs.detach().float() - sampler_logprobs.detach().float()  # [N]
+    return torch.exp(log_ratio).clamp(max=cap)  # [N]

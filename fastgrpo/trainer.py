@@ -88,8 +88,8 @@ class Trainer:
         self.step = 0
         self._resume()
 
-        self.engine = self._build_engine()
         self.prompt_cache: dict[int, tuple[str, list[int]]] = {}
+        self.engine = self._build_engine()
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -97,12 +97,20 @@ class Trainer:
         r = self.cfg.rollout
         if r.engine == "hf":
             return build_engine("hf", model=self.model, tokenizer=self.tokenizer, batch_size=r.batch_size)
+        # The context must hold the longest prompt of either split plus a full completion: checked (or derived)
+        # here, before the engine allocates anything.
+        longest = max(len(ids) for ids in self.prompts(range(len(self.train_rows)), self.train_rows)[1]
+                      + self.prompts(range(len(self.eval_rows)), self.eval_rows)[1])
+        needed = longest + r.max_completion_length
+        if r.max_model_len is not None and r.max_model_len < needed:
+            raise ValueError(f"rollout.max_model_len={r.max_model_len} is shorter than the longest prompt "
+                             f"({longest} tokens) + rollout.max_completion_length ({r.max_completion_length})")
         engine = build_engine(
             "vllm", model_path=str(resolve_model_path(self.cfg.model)), tokenizer=self.tokenizer,
             seed=self.cfg.seed + self.rank, gpu_memory_utilization=r.gpu_memory_utilization,
-            max_model_len=r.max_model_len, enable_prefix_caching=r.enable_prefix_caching,
+            max_model_len=r.max_model_len or needed, enable_prefix_caching=r.enable_prefix_caching,
             sleep_level=r.sleep_level, sync_bucket_mb=r.sync_bucket_mb, rank=self.rank,
-            world_size=self.world_size)
+            world_size=self.world_size, enforce_eager=r.enforce_eager)
         engine.update_weights(self._full_weights())  # the policy may differ from the files (resume)
         return engine
 

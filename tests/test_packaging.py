@@ -1,5 +1,6 @@
 """kernels/ installs as fastgrpo.kernels, in the editable install and in a built wheel."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,8 +17,16 @@ def test_kernels_import_as_fastgrpo_kernels_from_the_source_tree():
 
 
 def test_built_wheel_contains_fastgrpo_kernels(tmp_path):
+    # build from a copy of the tracked sources: a stale build/ folder in the checkout could hide a missing file
+    src = tmp_path / "src"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, src / f)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=240)
+                           "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     wheel = next(tmp_path.glob("fastgrpo-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fastgrpo.rollout.base import SamplingParams
-from fastgrpo.rollout.correction import truncated_is_weights
+from fastgrpo.losses import truncated_importance_weights as truncated_is_weights
 from fastgrpo.rollout.weight_sync import bucket_by_layer, clean_param_name, iter_full_tensors, layer_key
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

