@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import math
 import sys
 import time
@@ -37,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
+from fastgrpo.model import choose_attn_implementation  # noqa: E402
 from fastgrpo.packing import pack, packed_head_forward, plan_microbatches  # noqa: E402
 
 # Shapes of the public Qwen2.5 configs (random weights, nothing downloaded).
@@ -203,15 +203,6 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
-def pick_attn(requested: str, device: torch.device) -> str:
-    """auto: flash_attention_2 if flash_attn is installed, else flex_attention on CUDA, else sdpa."""
-    if requested != "auto":
-        return requested
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "flex_attention" if device.type == "cuda" else "sdpa"
-
-
 def run_one(name, mode, attn, args, device, dtype, lengths) -> Row:
     prompt_lens, comp_lens = lengths
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -293,7 +284,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     lengths = countdown_lengths(args.prompts, args.generations, seed=args.seed, quick=args.quick)
     rows = []
     for name in args.models.split(","):
-        for mode, attn in (("packed", pick_attn(args.attn, device)), ("padded", args.padded_attn)):
+        for mode, attn in (("packed", choose_attn_implementation(args.attn, device)), ("padded", args.padded_attn)):
             t0 = time.perf_counter()
             try:
                 rows.append(run_one(name, mode, attn, args, device, dtype, lengths))

@@ -12,8 +12,6 @@ import json
 import math
 import os
 import signal
-from pathlib import Path
-from typing import Any
 
 import torch
 

@@ -2,12 +2,12 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch.distributed as dist
+from _launch import free_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -18,12 +18,6 @@ ARGS = ["data.source=toy", "rewards.funcs=[toy_digit]", "model.name_or_path=tiny
         "grpo.max_tokens_per_microbatch=64", "checkpoint.every=1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
@@ -32,7 +26,7 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 def test_two_process_fsdp_training_then_resume_on_one_process(tmp_path):
     out = [f"output_dir={tmp_path}", "name=dist"]
     two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(_free_port()), "-m", "fastgrpo.train", *ARGS, *out, "max_steps=2", "checkpoint.export_hf=false"])
+                str(free_port()), "-m", "fastgrpo.train", *ARGS, *out, "max_steps=2", "checkpoint.export_hf=false"])
     assert two.returncode == 0, two.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

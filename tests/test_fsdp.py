@@ -7,17 +7,14 @@ tied through sharding.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dist_helpers as dh  # tests/ is on sys.path (pytest rootdir-relative import)
+from _launch import run_ranks
 from fastgrpo.config import ParallelConfig
 from fastgrpo.parallelize import parallelize_model, transformer_blocks
 
@@ -25,33 +22,8 @@ pytest.importorskip("transformers")
 HELPER = Path(__file__).with_name("dist_helpers.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two_ranks(out: Path) -> dict:
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed with gloo is not available on this platform")
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "CUDA_VISIBLE_DEVICES": ""}
-        procs.append(subprocess.Popen([sys.executable, str(HELPER), "--out", str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=120)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("FSDP workers timed out (a collective mismatch hangs)")
-    if any(p.returncode for p in procs):
-        pytest.fail("FSDP workers failed:\n" + "\n----\n".join(logs[-2:])[-6000:])
+    run_ranks([sys.executable, str(HELPER), "--out", str(out)], what="FSDP workers", timeout=120)
     return torch.load(out)
 
 

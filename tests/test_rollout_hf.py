@@ -264,34 +264,12 @@ def _fsdp_worker(out_dir: str) -> None:
 
 
 def test_fsdp2_ranks_finishing_at_different_steps_do_not_hang(tiny_cache, tmp_path):
-    import os
-    import socket
-    import subprocess
+    from _launch import run_ranks
 
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed with gloo is not available")
     build_tiny(cache_dir=tmp_path / "cache")
     build_tiny(cache_dir=tmp_path / "cache", seed=1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen(
-        [sys.executable, __file__, "--fsdp-worker", str(tmp_path)],
-        env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-             "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-             "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=180)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("FSDP generation hung (ranks left the decode loop at different steps)")
-    assert all(p.returncode == 0 for p in procs), "\n----\n".join(logs)[-6000:]
+    # a hang here means ranks left the decode loop at different steps
+    run_ranks([sys.executable, __file__, "--fsdp-worker", str(tmp_path)], what="FSDP generation", timeout=180)
 
     # Sharded generation (before and after loading the seed-1 weights) equals the unsharded models', log-probs
     # included: those differ between seeds even where the echoed tokens do not.

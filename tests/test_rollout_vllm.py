@@ -9,16 +9,14 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import os
 import random
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from _launch import run_ranks
 from fastgrpo.rollout.base import SamplingParams
 from fastgrpo.losses import truncated_importance_weights as truncated_is_weights
 from fastgrpo.rollout.weight_sync import bucket_by_layer, clean_param_name, iter_full_tensors, layer_key
@@ -204,35 +202,12 @@ def test_sleep_and_wake_are_harmless_on_cpu(engine):
     assert engine.generate([[5, 6]], 1, SamplingParams(max_tokens=2))[0][0].token_ids
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @needs_vllm
 def test_two_ranks_each_with_an_engine(tmp_path):
     """torchrun-style launch of 2 gloo ranks: FSDP2 shards -> full tensors -> each rank's engine."""
     out = tmp_path / "ranks.json"
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), "--out", str(out), "--cache-dir", str(tmp_path / "tiny")],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("vLLM workers timed out")
-    if any(p.returncode for p in procs):
-        pytest.fail("vLLM workers failed:\n" + "\n----\n".join(logs)[-6000:])
+    run_ranks([sys.executable, str(WORKER), "--out", str(out), "--cache-dir", str(tmp_path / "tiny")],
+              what="vLLM workers", timeout=240)
     ranks = json.loads(out.read_text())
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:

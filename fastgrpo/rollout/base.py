@@ -53,6 +53,16 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new policy weights (Hugging Face parameter names, full tensors)."""
 
+    @staticmethod
+    def check_request(prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
+        """The argument checks every engine makes before generating."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if sampling.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+
     def sleep(self) -> None:
         """Release generation memory during the policy update (no-op where unsupported)."""
 

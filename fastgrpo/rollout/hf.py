@@ -113,12 +113,7 @@ class HFEngine(RolloutEngine):
     # -- RolloutEngine ----------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if sampling.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        self.check_request(prompts, n, sampling)
         seqs = [p for p in prompts for _ in range(n)]  # prompt-major: sequence b*n + j is sample j of prompt b
         device = self._device()
         generator = torch.Generator(device=device)

@@ -298,12 +298,7 @@ class VLLMEngine(RolloutEngine):
     # -- RolloutEngine --------------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if sampling.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        self.check_request(prompts, n, sampling)
         if not prompts:
             return []
         self.check_lengths(max(len(p) for p in prompts), sampling.max_tokens)
