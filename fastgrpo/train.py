@@ -20,6 +20,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_optional_extras(cfg) -> None:
+    """A missing optional extra is a one-line message with the install command, before anything loads."""
+    if "wandb" in cfg.log.report_to:
+        from fastgrpo.metrics import check_wandb_available
+
+        check_wandb_available()
+    if cfg.rollout.engine == "vllm":
+        from fastgrpo.rollout.vllm import check_vllm_available
+
+        check_vllm_available()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.help_config:
@@ -27,10 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = load_config(args.config, args.overrides)
-        if "wandb" in cfg.log.report_to:
-            from fastgrpo.metrics import check_wandb_available
-
-            check_wandb_available()
+        check_optional_extras(cfg)
     except (ConfigError, ImportError) as e:
         print(f"fastgrpo: config error: {e}", file=sys.stderr)
         return 2

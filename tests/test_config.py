@@ -71,3 +71,31 @@ def test_bad_config_cli_exits_nonzero_and_writes_nothing(tmp_path):
     assert proc.returncode != 0
     assert "grpo.num_generations" in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("override,missing,needle", [
+    ("rollout.engine=vllm", "vllm", "pip install fastgrpo[vllm]"),
+    ("log.report_to=[jsonl,wandb]", "wandb", "pip install 'fastgrpo[wandb]'"),
+])
+def test_missing_optional_extra_is_one_clear_line(monkeypatch, capsys, tmp_path, override, missing, needle):
+    import builtins
+    import importlib.util
+
+    from fastgrpo import train
+
+    real_find_spec, real_import = importlib.util.find_spec, builtins.__import__
+
+    def find_spec(name, *a, **k):
+        return None if name == missing else real_find_spec(name, *a, **k)
+
+    def fake_import(name, *a, **k):
+        if name == missing:
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    rc = train.main(["--config", "configs/tiny.yaml", f"output_dir={tmp_path}", override])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())

@@ -68,6 +68,14 @@ _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
 _GIB = 1 << 30
 
 
+def check_vllm_available() -> None:
+    """Cheap (no import) check, run before any model loads: ImportError with the install command if vLLM is absent."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(_INSTALL_HINT)
+
+
 def import_vllm():
     """Import vLLM with this engine's environment defaults, or raise ImportError saying how to install it."""
     for key, value in _ENV_DEFAULTS.items():
