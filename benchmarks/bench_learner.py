@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
+from fastgrpo.metrics import device_peak_flops, update_flops  # noqa: E402
 from fastgrpo.model import choose_attn_implementation  # noqa: E402
 from fastgrpo.packing import pack, packed_head_forward, plan_microbatches  # noqa: E402
 
@@ -48,10 +49,6 @@ MODEL_SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, vocab_size=257, tie_word_embeddings=True),
 }
-
-# Dense bf16 peak FLOP/s by device-name substring (vendor data sheets, no sparsity).
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
-
 
 @dataclass(kw_only=True)
 class Row:
@@ -183,24 +180,8 @@ def padded_step(model, batch, device, micro_batch):
     return slots, count, check
 
 
-def useful_flops(model, prompt_lens, comp_lens) -> float:
-    """Useful training FLOPs of one update (see the module docstring)."""
-    cfg = model.config
-    n_trunk = sum(p.numel() for p in model.get_decoder().parameters()) - model.get_input_embeddings().weight.numel()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    d_attn = cfg.num_attention_heads * head_dim
-    totals = [p + c for p, c in zip(prompt_lens, comp_lens)]
-    return (6 * n_trunk * sum(totals) + 6 * cfg.hidden_size * cfg.vocab_size * sum(comp_lens)
-            + 6 * cfg.num_hidden_layers * d_attn * sum(t * t for t in totals))
-
-
 def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
-    if override_tflops:
-        return override_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return override_tflops * 1e12 if override_tflops else device_peak_flops(device)
 
 
 def run_one(name, mode, attn, args, device, dtype, lengths) -> Row:
@@ -231,7 +212,7 @@ def run_one(name, mode, attn, args, device, dtype, lengths) -> Row:
     peak = peak_flops(device, args.peak_tflops)
     row = Row(model=name, mode=mode, attn=attn, device=_device_name(device), sequences=len(comp_lens),
               real_tokens=real, slots=slots, microbatches=count, step_s=step_s, tokens_per_s=real / step_s,
-              mfu=useful_flops(model, prompt_lens, comp_lens) / step_s / peak if peak else None,
+              mfu=update_flops(model, prompt_lens, comp_lens) / step_s / peak if peak else None,
               peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
               check_logp=first[0], grad_norm=first[1])
     del model, opt

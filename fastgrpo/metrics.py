@@ -16,6 +16,34 @@ import torch
 import torch.distributed as dist
 
 
+# Dense bf16 peak FLOP/s by device-name substring (vendor data sheets, no sparsity).
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+
+
+def device_peak_flops(device: torch.device | str) -> float | None:
+    """The device's dense bf16 peak FLOP/s, or None off CUDA / for an unknown GPU (then no MFU is reported)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def update_flops(model: torch.nn.Module, prompt_lens: list[int], comp_lens: list[int]) -> float:
+    """Useful training FLOPs (forward + backward) of one packed update.
+
+    6 * trunk params * all tokens + 6 * H * V * completion tokens only (the head runs on completions) +
+    causal attention 6 * layers * d_attn * sum_i T_i^2 (per sequence: packing has no cross-sequence attention).
+    """
+    cfg = model.config
+    n_trunk = sum(p.numel() for p in model.get_decoder().parameters()) - model.get_input_embeddings().weight.numel()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    d_attn = cfg.num_attention_heads * head_dim
+    totals = [p + c for p, c in zip(prompt_lens, comp_lens)]
+    return (6 * n_trunk * sum(totals) + 6 * cfg.hidden_size * cfg.vocab_size * sum(comp_lens)
+            + 6 * cfg.num_hidden_layers * d_attn * sum(t * t for t in totals))
+
+
 class StepMetrics:
     """Accumulates named scalars as device tensors: ``add`` for means (weighted), ``set`` for step-level values."""
 

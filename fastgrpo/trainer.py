@@ -24,7 +24,7 @@ from fastgrpo.episodes import Episodes, collect_episodes, episode_metrics
 from fastgrpo.evaluate import evaluate
 from fastgrpo.kernels import linear_grpo_loss, linear_logprobs
 from fastgrpo.losses import GlobalCounts, token_weights, truncated_importance_weights
-from fastgrpo.metrics import JsonlSink, ProgressBar, StepMetrics, Timer, WandbSink
+from fastgrpo.metrics import JsonlSink, ProgressBar, StepMetrics, Timer, WandbSink, device_peak_flops, update_flops
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
 from fastgrpo.packing import MicroBatch, pack, plan_microbatches, split_to_count
 from fastgrpo.parallelize import parallelize_model
@@ -84,6 +84,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, warmup_steps=o.warmup_steps, total_steps=self.total_updates,
                                          schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
         self.step = 0
+        self.peak_flops = device_peak_flops(self.device)
         self._resume()
 
         self.prompt_cache: dict[int, tuple[str, list[int]]] = {}
@@ -287,6 +288,11 @@ class Trainer:
                 gen_tokens = int(ep.lengths.sum())
                 metrics.host("time/rollout_s", t_roll.seconds)
                 metrics.host("time/update_s", t_upd.seconds)
+                if self.peak_flops:  # CUDA only: model FLOPs utilisation of the policy update on this rank
+                    flops = self.cfg.grpo.num_iterations * update_flops(
+                        self.model, [len(p) for p in ep.prompt_ids], ep.lengths.tolist())
+                    metrics.set("perf/mfu", torch.tensor(flops / max(t_upd.seconds, 1e-9) / self.peak_flops,
+                                                         device=self.device))
                 record = {"step": self.step, **metrics.reduce()}
                 record["perf/rollout_tokens_per_s"] = gen_tokens * self.world_size / max(t_roll.seconds, 1e-9)
                 record["perf/update_tokens_per_s"] = (record["perf/update_tokens"] * self.world_size
