@@ -46,7 +46,7 @@ class ModelConfig:
     name_or_path: str = "tiny"
     """'tiny' (the embedded model, built locally), a local folder, or a Hugging Face hub id (needs network)."""
     dtype: str = "auto"
-    """Parameter dtype: 'auto' (bfloat16 on CUDA, float32 on CPU), 'float32' or 'bfloat16'."""
+    """Weights: 'auto' (CUDA: float32 masters, bfloat16 compute via FSDP2; CPU: float32), 'float32' or 'bfloat16'."""
     attn_implementation: str = "auto"
     """'auto' picks flash_attention_2 > flex_attention (CUDA) > sdpa; or name one explicitly."""
     trust_remote_code: bool = False
@@ -223,7 +223,7 @@ class OptimConfig:
 @dataclass(kw_only=True)
 class ParallelConfig:
     fsdp: bool = True
-    """Shard with FSDP2 (fully_shard per block + root) when running under torchrun with world size > 1."""
+    """FSDP2 (fully_shard per block + root) with world size > 1, and on CUDA with one GPU too (mixed precision)."""
     param_dtype: str = "bfloat16"
     """FSDP2 mixed precision: dtype of gathered parameters on CUDA (CPU always computes in float32)."""
     reduce_dtype: str = "float32"

@@ -39,6 +39,14 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed(device: str = "auto", *, timeout_s: float = 1800.0) -> DistInfo:
     """Initialise the default process group from torchrun's environment and pick this rank's device.
 
@@ -60,9 +68,12 @@ def init_distributed(device: str = "auto", *, timeout_s: float = 1800.0) -> Dist
     else:
         dev = torch.device("cpu")
     launched = world > 1 or "MASTER_ADDR" in os.environ
-    if launched and dist.is_available() and not dist.is_initialized():
+    # A single process on CUDA also gets a (world-size-1) group: FSDP2 then applies there too, which is what gives
+    # float32 master weights with bfloat16 compute (MixedPrecisionPolicy) on one GPU.
+    if (launched or use_cuda) and dist.is_available() and not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
+            init_method=None if launched else f"tcp://127.0.0.1:{_free_port()}",
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=timeout_s),

@@ -116,32 +116,38 @@ def _apply_fsdp(model: nn.Module, blocks: nn.ModuleList, cfg: ParallelConfig, de
     _sum_gradient_reduction(model)
 
 
+def uses_fsdp(cfg: ParallelConfig, device: torch.device | str, world_size: int) -> bool:
+    """FSDP2 applies with several ranks, and on CUDA even with one (for fp32 masters + bf16 compute)."""
+    return cfg.fsdp and (world_size > 1 or torch.device(device).type == "cuda")
+
+
 def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.device | str,
                       world_size: int) -> nn.Module:
     """Apply activation checkpointing, compile and FSDP2 per ``cfg``; return the same (modified) model.
 
-    FSDP2 is applied when ``cfg.fsdp`` and ``world_size > 1`` (a process group must exist); with one process
-    the model stays a plain module (no collectives, no DTensors) but goes through the same steps otherwise.
+    FSDP2 is applied per :func:`uses_fsdp` (a process group must exist); with one CPU process the model stays a
+    plain module (no collectives, no DTensors) but goes through the same steps otherwise.
     Afterwards ``model.packed_forward(mb, head)`` runs a packed micro-batch and the head (see module doc).
     Gradients are SUMMED over ranks (``_sum_gradient_reduction``): weight tokens by global normalisers.
     """
     device = torch.device(device)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if cfg.cpu_offload and not (cfg.fsdp and world_size > 1):
-        raise ValueError("parallel.cpu_offload needs FSDP: set parallel.fsdp=true and run with world size > 1")
+    fsdp = uses_fsdp(cfg, device, world_size)
+    if cfg.cpu_offload and not fsdp:
+        raise ValueError("parallel.cpu_offload needs FSDP: set parallel.fsdp=true (and, on CPU, world size > 1)")
     tied = _tied(model)
     blocks = transformer_blocks(model)
-    if not (cfg.fsdp and world_size > 1 and cfg.cpu_offload):
+    if not (fsdp and cfg.cpu_offload):
         model.to(device)  # fully_shard moves parameters itself; with offload they must stay on the host
     if cfg.activation_checkpointing:
         _apply_activation_checkpointing(blocks)
     if cfg.compile:
         _apply_compile(blocks)
-    if cfg.fsdp and world_size > 1:
+    if fsdp:
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("FSDP with world_size > 1 needs an initialised process group "
+            raise ValueError("FSDP needs an initialised process group "
                              "(fastgrpo.distributed.init_distributed)")
         _apply_fsdp(model, blocks, cfg, device, world_size)
     assert _tied(model) == tied, "parallelize_model must not untie (or tie) the embeddings"

@@ -27,7 +27,7 @@ from fastgrpo.losses import GlobalCounts, token_weights, truncated_importance_we
 from fastgrpo.metrics import JsonlSink, ProgressBar, StepMetrics, Timer, WandbSink, device_peak_flops, update_flops
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
 from fastgrpo.packing import MicroBatch, pack, plan_microbatches, split_to_count
-from fastgrpo.parallelize import parallelize_model
+from fastgrpo.parallelize import parallelize_model, uses_fsdp
 from fastgrpo.rewards import load_reward_funcs
 from fastgrpo.rollout import SamplingParams, build_engine
 from fastgrpo.advantages import advantage_metrics
@@ -70,7 +70,13 @@ class Trainer:
                                      world_size=self.world_size)
 
         self.tokenizer = load_tokenizer(cfg.model)
-        model = load_model(cfg.model, device=self.device, seed=cfg.seed)
+        # Under FSDP on CUDA, 'auto' loads float32 master weights and FSDP computes in parallel.param_dtype: AdamW
+        # updates of lr ~ 1e-6 vanish in bfloat16 weights (8 bits of mantissa).
+        master_dtype = None
+        if cfg.model.dtype == "auto" and self.device.type == "cuda" and \
+                uses_fsdp(cfg.parallel, self.device, self.world_size):
+            master_dtype = torch.float32
+        model = load_model(cfg.model, device=self.device, dtype=master_dtype, seed=cfg.seed)
         self.model = parallelize_model(model, cfg.parallel, device=self.device, world_size=self.world_size)
         self.ref_model = None
         if cfg.grpo.beta > 0:  # the frozen reference, sharded the same way, forward only
