@@ -77,15 +77,19 @@ def _liger_sequences(inp, t_len):
     return b, t_len
 
 
+def _liger_batch(inp):
+    """Liger's [B, T] layout: hidden [B, T, H], ids and mask [B, T], one advantage per sequence [B]."""
+    b, t_len = _liger_sequences(inp, LIGER_T)
+    ids = inp["targets"].view(b, t_len)
+    adv = inp["advantages"].view(b, t_len)[:, 0].contiguous()
+    return inp["hidden"].view(b, t_len, -1), ids, torch.ones_like(ids), adv
+
+
 def _make_liger(inp):
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
     module = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False)
-    b, t_len = _liger_sequences(inp, LIGER_T)
-    h3 = inp["hidden"].view(b, t_len, -1)
-    ids = inp["targets"].view(b, t_len)
-    mask = torch.ones_like(ids)
-    adv = inp["advantages"].view(b, t_len)[:, 0].contiguous()
+    h3, ids, mask, adv = _liger_batch(inp)
 
     def run(_inp):
         out = module(h3, inp["weight"], ids, mask, adv)
@@ -98,11 +102,7 @@ def _make_liger(inp):
 def _make_liger_triton(inp):
     from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
-    b, t_len = _liger_sequences(inp, LIGER_T)
-    h3 = inp["hidden"].view(b, t_len, -1)
-    ids = inp["targets"].view(b, t_len)
-    mask = torch.ones_like(ids)
-    adv = inp["advantages"].view(b, t_len)[:, 0].contiguous()
+    h3, ids, mask, adv = _liger_batch(inp)
 
     def run(_inp):
         # The op wants logits for L+1 positions (it drops the last): append one row per sequence.
