@@ -9,6 +9,13 @@
 # dependencies. Optional pure-Python wheels (e.g. liger-kernel) can travel in .whl/ and are installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "run_gpu.sh: no CUDA device visible; the GPU checks and benchmarks need one (CPU: make test)" >&2
+  exit 2
+fi
+# Liger rows of bench_kernels need liger-kernel (pure Python). Fetch it beside the checkout before the call:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl liger-kernel
 OUT_DIR=${OUT:-benchmarks/results}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
