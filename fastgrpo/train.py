@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             trainer = Trainer(cfg)
-        except (ValueError, ImportError) as e:  # bad data, rewards, model path: before any training
+        except (ValueError, ImportError, OSError) as e:  # bad data, rewards, model path: before any training
             print(f"fastgrpo: error: {e}", file=sys.stderr)
             return 2
         try:

@@ -99,3 +99,17 @@ def test_missing_optional_extra_is_one_clear_line(monkeypatch, capsys, tmp_path,
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.name_or_path=/nonexistent/model", "model.name_or_path"),
+    ("data.source=/nonexistent/rows.jsonl", "data.source"),
+    ("rewards.funcs=[countdwn]", "did you mean 'countdown'"),
+])
+def test_bad_paths_and_names_fail_cleanly_before_training(capsys, tmp_path, override, needle):
+    from fastgrpo import train
+
+    rc = train.main(["--config", "configs/tiny.yaml", f"output_dir={tmp_path}", override])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
