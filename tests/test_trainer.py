@@ -39,12 +39,24 @@ def test_grpo_learns_the_toy_task(tmp_path):
     assert {"prompt", "completion", "rewards", "advantage"} <= set(comps[0])
 
 
-def test_flipped_advantage_sign_unlearns(tmp_path):
-    """Control for the test above: rewarding the opposite behaviour drives the digit rate down, not up."""
-    cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=neg", "max_steps=12", "rewards.weights=[-1.0]"])
-    Trainer(cfg).run()
-    rewards = [-r for r in _rewards(tmp_path / "neg")]  # digit rate
-    assert sum(rewards[-3:]) / 3 < 0.05, rewards
+@torch.no_grad()
+def _first_token_digit_mass(trainer: Trainer) -> float:
+    """Mean probability, over the training prompts, that the first completion token is a digit."""
+    digits = [trainer.tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    _, ids = trainer.prompts(list(range(len(trainer.train_rows))), trainer.train_rows)
+    trainer.model.eval()
+    mass = [trainer.model(torch.tensor([p])).logits[0, -1].softmax(-1)[digits].sum().item() for p in ids]
+    return sum(mass) / len(mass)
+
+
+def test_flipped_reward_sign_unlearns(tmp_path):
+    """Control for the test above: rewarding the opposite behaviour drives the digit probability down, not up."""
+    cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=neg", "max_steps=10", "rewards.weights=[-1.0]"])
+    trainer = Trainer(cfg)
+    before = _first_token_digit_mass(trainer)
+    trainer.run()
+    after = _first_token_digit_mass(trainer)
+    assert after < 0.5 * before, (before, after)  # measured: 0.036 -> 0.009
 
 
 def _cli(args: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
