@@ -13,6 +13,7 @@ std is the unbiased sample std, as in TRL, so numbers are comparable.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -29,8 +30,14 @@ class AdvantageResult:
     """[B] bool: groups whose G rewards are all equal (their advantages are 0 and carry no signal)."""
 
 
-def compute_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "group") -> AdvantageResult:
-    """Group-centred (optionally scaled) advantages of ``rewards`` [S], S a multiple of ``group_size``."""
+def compute_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "group",
+                       all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> AdvantageResult:
+    """Group-centred (optionally scaled) advantages of ``rewards`` [S], S a multiple of ``group_size``.
+
+    ``all_reduce`` sums a tensor over ranks in place (the trainer passes torch.distributed's): the batch std of
+    ``scale="batch"`` is then the global batch's, so advantages do not depend on the number of ranks. Groups
+    never span ranks, so group statistics need no communication.
+    """
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be [B*G] with G={group_size}, got shape {tuple(rewards.shape)}")
     grouped = rewards.float().view(-1, group_size)  # [B, G]
@@ -40,23 +47,14 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "
     if scale == "group":
         centred = centred / (std[:, None] + EPS)
     elif scale == "batch":
-        centred = centred / (rewards.float().std() + EPS)
+        r = rewards.float()
+        sums = torch.stack([r.sum(), (r * r).sum(), r.new_tensor(float(r.numel()))])  # [3]
+        if all_reduce is not None:
+            sums = all_reduce(sums)
+        mean = sums[0] / sums[2]
+        batch_std = ((sums[1] - sums[2] * mean * mean).clamp(min=0) / (sums[2] - 1).clamp(min=1)).sqrt()
+        centred = centred / (batch_std + EPS)
     elif scale != "none":
         raise ValueError(f"scale_rewards must be group, batch or none, got {scale!r}")
     zero = (grouped.max(dim=1).values - grouped.min(dim=1).values) == 0  # [B]
     return AdvantageResult(advantages=centred.reshape(-1), group_std=std, zero_std_mask=zero)
-
-
-def advantage_metrics(res: AdvantageResult) -> dict[str, torch.Tensor]:
-    """Device-side statistics, reduced once per step by the metrics module."""
-    a = res.advantages
-    return {
-        "adv/mean": a.mean(),
-        "adv/std": a.std() if a.numel() > 1 else a.new_zeros(()),
-        "adv/abs_mean": a.abs().mean(),
-        "adv/max": a.max(),
-        "adv/min": a.min(),
-        "groups/zero_std_frac": res.zero_std_mask.float().mean(),
-        "groups/zero_std_count": res.zero_std_mask.float().sum(),
-        "groups/reward_std_mean": res.group_std.mean(),
-    }

@@ -100,14 +100,37 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model: torch.nn.Module, optimi
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-        if final.exists():  # re-saving the same step (resumed exactly at it): replace
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if final.exists():  # re-saving a step (resumed from it): move the old copy aside first, so that a kill
+            aside = ckpt_dir / f".old_step_{step:06d}"  # between the two renames still leaves a checkpoint
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+            os.replace(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
-        for _, old in list_checkpoints(ckpt_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(ckpt_dir, step, keep_last)
     _barrier()
     return final
+
+
+def _prune(ckpt_dir: Path, step: int, keep_last: int) -> None:
+    """Keep ``step`` and the newest ``keep_last - 1`` before it; drop leftovers of killed saves.
+
+    Checkpoints *after* ``step`` belong to a run that was resumed from an earlier checkpoint: they are another
+    history, and ``resume: auto`` must not pick them up, so they go too.
+    """
+    found = list_checkpoints(ckpt_dir)
+    older = [p for s, p in found if s < step]
+    for s, p in found:
+        if s > step:
+            print(f"[fastgrpo] removing {p.name}: this run continued from an earlier checkpoint", flush=True)
+            shutil.rmtree(p, ignore_errors=True)
+    for p in older[: max(0, len(older) - (keep_last - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in ckpt_dir.glob(".tmp_step_*"):
+        if p.name != f".tmp_step_{step:06d}":
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:

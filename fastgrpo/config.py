@@ -201,9 +201,9 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     """AdamW betas."""
     warmup_steps: int = 0
-    """Linear warm-up steps from 0 to lr."""
+    """Linear warm-up, in optimizer updates (max_steps * grpo.num_iterations in all), up to lr."""
     schedule: str = "constant"
-    """After warm-up: 'constant' or 'cosine' (down to min_lr_ratio * lr at max_steps)."""
+    """After warm-up: 'constant' or 'cosine' (down to min_lr_ratio * lr at the last optimizer update)."""
     min_lr_ratio: float = 0.0
     """Cosine floor as a fraction of lr."""
     max_grad_norm: float = 1.0
@@ -438,14 +438,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
-        tree = yaml.safe_load(p.read_text()) or {}
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{p}: top level must be a mapping")
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
         _set_dotted(tree, key.strip(), value)
     return _build(TrainConfig, tree, "").validate()
 

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from fastgrpo.advantages import AdvantageResult, compute_advantages
+from fastgrpo.metrics import StepMetrics
 from fastgrpo.rewards import combine_rewards
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 
@@ -60,7 +61,7 @@ def expand_columns(rows: list[dict[str, Any]], group_size: int) -> dict[str, lis
 def collect_episodes(engine: RolloutEngine, rows: list[dict[str, Any]], prompt_texts: list[str],
                      prompt_ids: list[list[int]], *, group_size: int, sampling: SamplingParams,
                      reward_funcs: list[tuple[str, Callable]], reward_weights: list[float] | None,
-                     scale_rewards: str) -> Episodes:
+                     scale_rewards: str, all_reduce: Callable | None = None) -> Episodes:
     """Generate G completions per prompt, score them and compute group advantages."""
     groups = engine.generate(prompt_ids, group_size, sampling)  # [B][G]
     comps = [c for g in groups for c in g]  # [S]
@@ -75,7 +76,7 @@ def collect_episodes(engine: RolloutEngine, rows: list[dict[str, Any]], prompt_t
     columns.pop("completion_ids", None)
     per_func, total = combine_rewards(reward_funcs, reward_weights, texts,
                                       dict(columns, prompts=s_prompt_texts, completion_ids=completion_ids))
-    adv = compute_advantages(total, group_size, scale=scale_rewards)
+    adv = compute_advantages(total, group_size, scale=scale_rewards, all_reduce=all_reduce)
     sampler_lp = None
     if all(c.logprobs is not None for c in comps):
         sampler_lp = torch.tensor([lp for c in comps for lp in c.logprobs], dtype=torch.float32)
@@ -86,18 +87,21 @@ def collect_episodes(engine: RolloutEngine, rows: list[dict[str, Any]], prompt_t
     )
 
 
-def episode_metrics(ep: Episodes) -> dict[str, torch.Tensor]:
-    """Reward, length and truncation statistics of one step (device tensors)."""
-    lengths = ep.lengths.float()
-    out = {
-        "reward/mean": ep.rewards.mean(),
-        "reward/std": ep.rewards.std() if ep.num_sequences > 1 else ep.rewards.new_zeros(()),
-        "completion/len_mean": lengths.mean(),
-        "completion/truncated_frac": torch.tensor(
-            sum(r == "length" for r in ep.finish_reasons) / max(ep.num_sequences, 1)),
-    }
+def record_metrics(ep: Episodes, m: StepMetrics) -> None:
+    """Reward, advantage, length and truncation statistics of one step, global over ranks once reduced."""
+    lengths = ep.lengths.float()  # [S]
+    m.moments(ep.rewards, "reward/mean", "reward/std")
     for j, name in enumerate(ep.reward_names):
-        col = ep.rewards_per_func[:, j]
-        out[f"reward/{name}/mean"] = col.nanmean()
-        out[f"reward/{name}/std"] = col.std() if ep.num_sequences > 1 else col.new_zeros(())
-    return out
+        m.moments(ep.rewards_per_func[:, j], f"reward/{name}/mean", f"reward/{name}/std")
+    m.moments(lengths, "completion/len_mean")
+    m.max("completion/len_max", lengths.max())
+    m.moments(torch.tensor([float(r == "length") for r in ep.finish_reasons]), "completion/truncated_frac")
+    a = ep.adv.advantages  # [S]
+    m.moments(a, "adv/mean", "adv/std")
+    m.moments(a.abs(), "adv/abs_mean")
+    m.max("adv/max", a.max())
+    m.min("adv/min", a.min())
+    zero = ep.adv.zero_std_mask.float()  # [B]
+    m.moments(zero, "groups/zero_std_frac")
+    m.total("groups/zero_std_count", zero.sum())
+    m.moments(ep.adv.group_std, "groups/reward_std_mean")

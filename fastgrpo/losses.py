@@ -80,7 +80,8 @@ def truncated_importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: t
     The rollout engine samples with its own kernels (with vLLM, its own copy of the weights, often in another
     precision), so the behaviour policy is not exactly the one the trainer differentiates. Multiplied into the token
     weights, this corrects that bias while the cap bounds the variance (Yao et al., 2025). It is a constant: no
-    gradient flows through it.
+    gradient flows through it. Unlike TRL, which weights only the policy-gradient term, it then also weights the
+    KL term (beta > 0): the fused loss takes one weight per token. With weights near 1 the difference is small.
     """
     if cap <= 0:
         raise ValueError(f"rollout.importance_sampling_cap: must be > 0, got {cap}")

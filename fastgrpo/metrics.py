@@ -44,58 +44,100 @@ def update_flops(model: torch.nn.Module, prompt_lens: list[int], comp_lens: list
             + 6 * cfg.num_hidden_layers * d_attn * sum(t * t for t in totals))
 
 
+# internal key prefixes: a min is a max of negatives; means and moments travel as sums
+_NEG, _MOM, _SUM = "__neg__/", "__moments__/", "__sum__/"
+
+
 class StepMetrics:
-    """Accumulates named scalars as device tensors: ``add`` for means (weighted), ``set`` for step-level values."""
+    """Accumulates named scalars as device tensors; ``reduce()`` makes them global over ranks in one sync.
+
+    ``add``: weighted mean (weights summed over micro-batches and ranks, so a rank with more tokens counts more);
+    ``set``: a step-level value, averaged over ranks; ``total``: a sum; ``max``/``min``: extremes; ``moments``:
+    global mean and std of a set of values; ``host``: a float already on the host (rank 0's), not reduced.
+    """
 
     def __init__(self) -> None:
-        self._sums: dict[str, torch.Tensor] = {}
-        self._weights: dict[str, torch.Tensor | float] = {}
-        self._max: dict[str, torch.Tensor] = {}
+        self._sum: dict[str, torch.Tensor] = {}  # name -> [2]: (sum of weight * value, sum of weight)
         self._total: dict[str, torch.Tensor] = {}
+        self._max: dict[str, torch.Tensor] = {}
+        self._moments: dict[str, tuple[torch.Tensor, str | None]] = {}  # mean name -> ([3] sums, std name)
         self._host: dict[str, float] = {}
 
     def add(self, name: str, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
         """Running weighted mean of ``value`` (a 0-d tensor)."""
-        v = value.detach().float() * weight
-        self._sums[name] = self._sums[name] + v if name in self._sums else v
-        self._weights[name] = self._weights.get(name, 0.0) + weight
+        v = value.detach().float()
+        pair = torch.stack([v * weight, torch.as_tensor(weight, dtype=torch.float32, device=v.device)])
+        self._sum[name] = self._sum[name] + pair if name in self._sum else pair
 
     def set(self, name: str, value: torch.Tensor) -> None:
         """A step-level device value, averaged over ranks."""
-        self._sums[name] = value.detach().float()
-        self._weights[name] = 1.0
+        self._sum.pop(name, None)
+        self.add(name, value)
 
     def total(self, name: str, value: torch.Tensor) -> None:
         """A sum over micro-batches and ranks (e.g. the loss, whose token weights are global-batch shares)."""
         v = value.detach().float()
         self._total[name] = self._total[name] + v if name in self._total else v
 
+    def moments(self, values: torch.Tensor, mean_name: str, std_name: str | None = None) -> None:
+        """Mean (and unbiased std) of ``values`` over every rank's elements: a global statistic, not a mean of
+        per-rank ones. NaN entries (a reward function that returned None) are left out."""
+        v = values.detach().float().reshape(-1)
+        v = v[~torch.isnan(v)]
+        sums = torch.stack([v.sum(), (v * v).sum(), v.new_tensor(float(v.numel()))])  # [3]
+        self._moments[mean_name] = (sums, std_name)
+
     def max(self, name: str, value: torch.Tensor) -> None:
         """A step-level maximum over micro-batches and ranks."""
         v = value.detach().float()
         self._max[name] = torch.maximum(self._max[name], v) if name in self._max else v
 
+    def min(self, name: str, value: torch.Tensor) -> None:
+        """A step-level minimum over micro-batches and ranks."""
+        self.max(_NEG + name, -value.detach().float())
+
     def host(self, name: str, value: float) -> None:
-        """A value already on the host (timings, counts): taken from rank 0, not reduced."""
         self._host[name] = float(value)
 
+    @staticmethod
+    def _reduce(store: dict[str, torch.Tensor], op: str) -> dict[str, list[float]]:
+        if not store:
+            return {}
+        keys = list(store)
+        # one device for the collective (NCCL reduces CUDA tensors only): a CUDA one if any value lives there
+        device = next((v.device for v in store.values() if v.device.type != "cpu"), torch.device("cpu"))
+        parts = [store[k].reshape(-1).to(device) for k in keys]
+        flat = torch.cat(parts)  # [M]
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flat, op=getattr(dist.ReduceOp, op))
+        values = flat.cpu().tolist()
+        out, i = {}, 0
+        for k, p in zip(keys, parts):
+            out[k], i = values[i:i + p.numel()], i + p.numel()
+        return out
+
     def reduce(self) -> dict[str, float]:
-        """One host sync: stack, all-reduce across ranks, and return floats."""
+        """One all-reduce per kind (sum, max) and one host transfer each; returns floats."""
+        summed = self._reduce({**{f"{_SUM}{k}": v for k, v in self._sum.items()}, **self._total,
+                               **{f"{_MOM}{k}": v for k, (v, _) in self._moments.items()}}, "SUM")
         out: dict[str, float] = {}
-        names = list(self._sums)
-        if names:
-            means = torch.stack([self._sums[n] / self._weights[n] for n in names])  # [M]
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(means, op=dist.ReduceOp.SUM)
-                means /= dist.get_world_size()
-            out.update(zip(names, means.cpu().tolist()))
-        for store, op in ((self._total, "SUM"), (self._max, "MAX")):
-            if store:
-                keys = list(store)
-                vals = torch.stack([store[n] for n in keys])  # [M]
-                if dist.is_available() and dist.is_initialized():
-                    dist.all_reduce(vals, op=getattr(dist.ReduceOp, op))
-                out.update(zip(keys, vals.cpu().tolist()))
+        for key, vals in summed.items():
+            if key.startswith(_SUM):
+                out[key[len(_SUM):]] = vals[0] / vals[1] if vals[1] else float("nan")
+            elif key.startswith(_MOM):
+                s, sq, n = vals
+                mean = s / n if n else float("nan")
+                out[key[len(_MOM):]] = mean
+                std_name = self._moments[key[len(_MOM):]][1]
+                if std_name is not None:
+                    out[std_name] = (max(sq - n * mean * mean, 0.0) / (n - 1)) ** 0.5 if n > 1 else 0.0
+            else:
+                out[key] = vals[0]
+        for key, vals in self._reduce(self._max, "MAX").items():
+            if key.startswith(_NEG):
+                out[key[len(_NEG):]] = -vals[0]
+            else:
+                out[key] = vals[0]
         out.update(self._host)
         return out
 
@@ -116,6 +158,18 @@ class Timer:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.seconds = time.perf_counter() - self._t0
+
+
+def drop_records_after(path: Path, step: int) -> None:
+    """Remove records with ``step`` > step from a jsonl log (atomically), so a resumed run does not log twice."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
 
 
 class JsonlSink:

@@ -20,17 +20,16 @@ from fastgrpo import distributed as fdist
 from fastgrpo.config import TrainConfig, to_dict
 from fastgrpo.data import build_datasets, render_prompt
 from fastgrpo.data.sampler import PromptSampler
-from fastgrpo.episodes import Episodes, collect_episodes, episode_metrics
+from fastgrpo.episodes import Episodes, collect_episodes, record_metrics
 from fastgrpo.evaluate import evaluate
 from fastgrpo.kernels import linear_grpo_loss, linear_logprobs
 from fastgrpo.losses import GlobalCounts, token_weights, truncated_importance_weights
-from fastgrpo.metrics import JsonlSink, ProgressBar, StepMetrics, Timer, WandbSink, device_peak_flops, update_flops
+from fastgrpo.metrics import JsonlSink, drop_records_after, ProgressBar, StepMetrics, Timer, WandbSink, device_peak_flops, update_flops
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
 from fastgrpo.packing import MicroBatch, pack, plan_microbatches, split_to_count
 from fastgrpo.parallelize import parallelize_model, uses_fsdp
 from fastgrpo.rewards import load_reward_funcs
 from fastgrpo.rollout import SamplingParams, build_engine
-from fastgrpo.advantages import advantage_metrics
 
 # Test hook: SIGKILL this process in the middle of the given step (after its rollout, before its update), so the
 # kill-and-resume test is deterministic.
@@ -175,9 +174,13 @@ class Trainer:
         try:
             return collect_episodes(self.engine, rows, texts, ids, group_size=g.num_generations, sampling=sampling,
                                     reward_funcs=self.reward_funcs, reward_weights=self.cfg.rewards.weights,
-                                    scale_rewards=g.scale_rewards)
+                                    scale_rewards=g.scale_rewards, all_reduce=self._sum_over_ranks)
         finally:
             self.engine.sleep()
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a (CPU) tensor over ranks, on this rank's device (NCCL reduces CUDA tensors only)."""
+        return fdist.all_reduce_(t.to(self.device), "sum").to(t.device)
 
     def _microbatches(self, ep: Episodes) -> list[MicroBatch]:
         seq_lens = [len(p) + len(c) for p, c in zip(ep.prompt_ids, ep.completion_ids)]
@@ -265,9 +268,16 @@ class Trainer:
 
     def run(self) -> dict[str, float]:
         cfg = self.cfg
+        if self.step >= cfg.max_steps:
+            if self.is_main:
+                print(f"[fastgrpo] {self.run_dir} is already at step {self.step} >= max_steps={cfg.max_steps}; "
+                      "nothing to do (raise max_steps to train further)", flush=True)
+            return {}
         sinks = []
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            for log in ("metrics.jsonl", "completions.jsonl"):  # a resumed run redoes the steps after its checkpoint
+                drop_records_after(self.run_dir / log, self.step)
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
             if "jsonl" in cfg.log.report_to:
                 sinks.append(JsonlSink(self.run_dir / "metrics.jsonl"))
@@ -288,9 +298,7 @@ class Trainer:
                     self.policy_update(ep, metrics)
                 self.sync_weights(metrics)
                 self.step += 1
-                for k, v in {**episode_metrics(ep), **advantage_metrics(ep.adv)}.items():
-                    metrics.set(k, v.to(self.device))
-                metrics.max("completion/len_max", ep.lengths.max().float().to(self.device))
+                record_metrics(ep, metrics)
                 gen_tokens = int(ep.lengths.sum())
                 metrics.host("time/rollout_s", t_roll.seconds)
                 metrics.host("time/update_s", t_upd.seconds)
@@ -345,15 +353,13 @@ class Trainer:
         n = max(ws, min(e.num_prompts, n_rows) // ws * ws)
         idx = [i % n_rows for i in range(self.rank, n, ws)]
         texts, ids = self.prompts(idx, self.eval_rows)
-        reward_name = self.cfg.rewards.funcs[-1]
-        fn = dict(self.reward_funcs)[reward_name]
+        fn = self.reward_funcs[-1][1]  # by position: a plugin's registered name is not its spec string
+        # Evaluation runs between a weight sync and the next rollout, so the engine stays awake for that rollout
+        # (sleeping here would, at sleep_level 2, discard the weights just synced).
         self.engine.wake()
-        try:
-            res = evaluate(self.engine, [self.eval_rows[i] for i in idx], texts, ids, reward_fn=fn,
-                           best_of_n=e.best_of_n, temperature=e.temperature,
-                           max_tokens=self.cfg.rollout.max_completion_length, seed=self.cfg.seed + self.step)
-        finally:
-            self.engine.sleep()
+        res = evaluate(self.engine, [self.eval_rows[i] for i in idx], texts, ids, reward_fn=fn,
+                       best_of_n=e.best_of_n, temperature=e.temperature,
+                       max_tokens=self.cfg.rollout.max_completion_length, seed=self.cfg.seed + self.step)
         names = sorted(res)
         vals = fdist.all_reduce_(torch.tensor([res[k] for k in names], device=self.device), "avg")
         return {f"eval/{k}": float(v) for k, v in zip(names, vals.tolist())}

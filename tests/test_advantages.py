@@ -32,3 +32,18 @@ def test_rejects_ragged_rewards():
 
     with pytest.raises(ValueError, match="G=4"):
         compute_advantages(torch.zeros(6), 4)
+
+
+def test_batch_std_is_the_global_batch_std_across_ranks():
+    """Two 'ranks' holding halves of the batch get the advantages the whole batch would give."""
+    r = torch.randn(16)
+    whole = compute_advantages(r, 4, scale="batch").advantages
+    halves = [r[:8], r[8:]]
+
+    def all_reduce(t):  # what torch.distributed would return: the elementwise sum over both ranks
+        return sum(torch.stack([h.sum(), (h * h).sum(), torch.tensor(8.0)]) for h in halves)
+
+    split = torch.cat([compute_advantages(h, 4, scale="batch", all_reduce=all_reduce).advantages for h in halves])
+    assert torch.allclose(split, whole, atol=1e-6)
+    local = torch.cat([compute_advantages(h, 4, scale="batch").advantages for h in halves])
+    assert not torch.allclose(local, whole, atol=1e-3)  # per-rank std would differ

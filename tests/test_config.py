@@ -113,3 +113,12 @@ def test_bad_paths_and_names_fail_cleanly_before_training(capsys, tmp_path, over
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())
+
+
+def test_yaml_errors_are_config_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: {lr: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config("configs/tiny.yaml", ["optim.lr=["])

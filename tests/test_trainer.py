@@ -66,15 +66,17 @@ def _cli(args: list[str], env_extra: dict | None = None) -> subprocess.Completed
 
 
 def test_sigkill_mid_step_then_resume_matches_uninterrupted_run(tmp_path):
-    common = TOY + [f"output_dir={tmp_path}", "max_steps=4", "checkpoint.every=1", "checkpoint.export_hf=true",
+    common = TOY + [f"output_dir={tmp_path}", "max_steps=4", "checkpoint.every=2", "checkpoint.export_hf=true",
                     "rollout.max_completion_length=3", "grpo.prompts_per_step=4", "grpo.num_generations=4"]
     ref = _cli(common + ["name=straight"])
     assert ref.returncode == 0, ref.stderr[-2000:]
 
-    killed = _cli(common + ["name=killed"], {"FASTGRPO_FAULT_KILL_AT_STEP": "3"})
+    killed = _cli(common + ["name=killed"], {"FASTGRPO_FAULT_KILL_AT_STEP": "4"})
     assert killed.returncode == -signal.SIGKILL
     ckpts = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir())
-    assert ckpts[-1] == "step_000002"  # at most the step in flight was lost
+    assert ckpts[-1] == "step_000002"  # lost: step 3 (after the checkpoint) and step 4 (in flight)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
     resumed = _cli(common + ["name=killed"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
@@ -85,7 +87,10 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted_run(tmp_path):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     steps = [json.loads(x)["step"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]
+    assert steps == [1, 2, 3, 4]  # step 3 was redone, and logged once
+
+    again = _cli(common + ["name=killed"])  # resuming a finished run does nothing, and says so
+    assert again.returncode == 0 and "nothing to do" in again.stdout
 
 
 def test_reference_model_and_multiple_iterations(tmp_path):

@@ -1,0 +1,46 @@
+"""Checkpoint folder bookkeeping: atomic names, pruning, leftovers of killed saves."""
+
+import torch
+
+from fastgrpo.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+
+
+def _save(tmp_path, step, keep_last=2, value=0.0):
+    model = torch.nn.Linear(2, 2)
+    torch.nn.init.constant_(model.weight, value)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    _save.last_model = model
+    return save_checkpoint(tmp_path, step, model=model, optimizer=opt, trainer_state={"step": step},
+                           keep_last=keep_last)
+
+
+def test_keeps_the_last_k_and_never_the_one_it_just_wrote_goes(tmp_path):
+    for s in (10, 20, 30):
+        _save(tmp_path, s)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [20, 30]
+    # resumed from 20 explicitly: 30 is another history and must not win `resume: auto` later
+    path = _save(tmp_path, 25, keep_last=1)
+    assert path.is_dir()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [25]
+    assert resolve_resume("auto", tmp_path) == path
+
+
+def test_leftover_of_a_killed_save_is_ignored_and_cleaned(tmp_path):
+    _save(tmp_path, 1)
+    (tmp_path / ".tmp_step_000002" / "model_optim").mkdir(parents=True)  # a save killed half-way
+    assert resolve_resume("auto", tmp_path).name == "step_000001"
+    _save(tmp_path, 3)
+    assert not (tmp_path / ".tmp_step_000002").exists()
+
+
+def test_round_trip_restores_weights_and_optimizer(tmp_path):
+    path = _save(tmp_path, 5, value=0.25)
+    saved = _save.last_model
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    state = load_checkpoint(path, model=model, optimizer=opt)
+    assert state["step"] == 5
+    assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)
+    assert opt.state[model.weight]["step"].item() == 1  # Adam's moments came back too

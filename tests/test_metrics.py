@@ -1,0 +1,32 @@
+import json
+
+import torch
+
+from fastgrpo.metrics import StepMetrics, drop_records_after
+
+
+def test_reduce_kinds():
+    m = StepMetrics()
+    m.add("clip", torch.tensor(0.5), 10.0)
+    m.add("clip", torch.tensor(0.0), 30.0)
+    m.total("loss", torch.tensor(1.5))
+    m.total("loss", torch.tensor(-0.5))
+    m.max("len_max", torch.tensor(3.0))
+    m.max("len_max", torch.tensor(7.0))
+    m.min("adv_min", torch.tensor(-1.0))
+    m.min("adv_min", torch.tensor(-4.0))
+    v = torch.tensor([1.0, 2.0, float("nan"), 4.0])
+    m.moments(v, "r/mean", "r/std")
+    m.host("lr", 1e-3)
+    out = m.reduce()
+    assert out["clip"] == 0.125  # token-weighted, not the mean of the two micro-batch fractions
+    assert out["loss"] == 1.0 and out["len_max"] == 7.0 and out["adv_min"] == -4.0 and out["lr"] == 1e-3
+    finite = v[~v.isnan()]
+    assert abs(out["r/mean"] - finite.mean().item()) < 1e-6 and abs(out["r/std"] - finite.std().item()) < 1e-6
+
+
+def test_drop_records_after(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)))
+    drop_records_after(p, 2)
+    assert [json.loads(x)["step"] for x in p.read_text().splitlines()] == [1, 2]
