@@ -141,6 +141,8 @@ class MicroBatch:
     """[N] int64: where each target sits in the flat per-token layout of the step."""
     cu_seqlens: torch.Tensor
     """[K + 1] int32: cumulative sequence lengths in the row (flash-attention varlen format)."""
+    segment_ids: torch.Tensor
+    """[T] int64: which sequence of the row each token belongs to (built here, so masks need no host copy)."""
     seq_indices: list[int]
     """The K sequences (indices into the step's batch) in this row, in row order."""
     seq_lengths: list[int]
@@ -199,6 +201,7 @@ def pack(
         if not b:  # dummy row: one token so that the trunk (and its collectives) still runs
             ids, pos = [pad_token_id], [0]
         cu = [0, *itertools.accumulate(seq_lengths)] if b else [0, 1]
+        seg = [k for k, n in enumerate(seq_lengths) for _ in range(n)] if b else [0]
 
         def t(x: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
@@ -210,6 +213,7 @@ def pack(
             targets=t(targets),  # [N]
             flat_index=t(flat_index),  # [N]
             cu_seqlens=t(cu, torch.int32),  # [K + 1]
+            segment_ids=t(seg),  # [T]
             seq_indices=list(b),
             seq_lengths=seq_lengths,
             max_seqlen=max(seq_lengths, default=1),
@@ -235,12 +239,9 @@ def pack(
 
 def block_causal_mask(mb: MicroBatch) -> torch.Tensor:
     """[1, 1, T, T] bool: token q may attend to token k iff same sequence and k <= q."""
-    device = mb.input_ids.device
-    lengths = torch.tensor(mb.seq_lengths or [mb.num_tokens], device=device)
-    seg = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths,
-                                  output_size=mb.num_tokens)  # [T] sequence id of each token
+    seg = mb.segment_ids  # [T], already on the device: no host->device copy inside the micro-batch loop
     same = seg[:, None] == seg[None, :]  # [T, T]
-    causal = torch.ones(mb.num_tokens, mb.num_tokens, dtype=torch.bool, device=device).tril_()
+    causal = torch.ones(mb.num_tokens, mb.num_tokens, dtype=torch.bool, device=seg.device).tril_()
     return (same & causal)[None, None]
 
 

@@ -235,6 +235,7 @@ def test_boundary_leak_would_be_detected():
     mb = pack(prompts, completions, [[0, 1, 2, 3]], "cpu")[0]
     mb.position_ids = torch.arange(mb.num_tokens)[None]
     mb.seq_lengths, mb.max_seqlen = [mb.num_tokens], mb.num_tokens
+    mb.segment_ids = torch.zeros(mb.num_tokens, dtype=torch.long)
     with torch.no_grad():
         leak = packed_head_forward(model, mb, logprob_head).gather(1, mb.targets[:, None])[:, 0]
         ref = unpadded_logprobs(model, prompts, completions)
