@@ -12,6 +12,7 @@ import json
 import math
 import os
 import signal
+import threading
 
 import torch
 
@@ -254,7 +255,7 @@ class Trainer:
             metrics.host("lr", self.scheduler.get_last_lr()[0])
             self.optimizer.step()
             self.scheduler.step()
-        metrics.host("perf/update_tokens", sum(mb.num_tokens for mb in mbs))
+        metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_tokens for mb in mbs))))
 
     def sync_weights(self, metrics: StepMetrics) -> None:
         """Push new policy weights into a separate inference engine (the hf engine shares the model: no-op)."""
@@ -287,6 +288,11 @@ class Trainer:
         bar = ProgressBar(cfg.max_steps, self.step, enabled=self.is_main and cfg.log.progress)
         record: dict[str, float] = {}
         kill_at = int(os.environ.get(_FAULT_ENV, "-1"))
+        self._sigterm = False
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            # Preemption (SIGTERM from a scheduler, or torchrun relaying one): finish the step, save, exit 0.
+            previous = signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_sigterm", True))
         try:
             while self.step < cfg.max_steps:
                 metrics = StepMetrics()
@@ -299,7 +305,7 @@ class Trainer:
                 self.sync_weights(metrics)
                 self.step += 1
                 record_metrics(ep, metrics)
-                gen_tokens = int(ep.lengths.sum())
+                metrics.total("perf/rollout_tokens", ep.lengths.sum().float())
                 metrics.host("time/rollout_s", t_roll.seconds)
                 metrics.host("time/update_s", t_upd.seconds)
                 if self.peak_flops:  # CUDA only: model FLOPs utilisation of the policy update on this rank
@@ -308,10 +314,11 @@ class Trainer:
                     metrics.set("perf/mfu", torch.tensor(flops / max(t_upd.seconds, 1e-9) / self.peak_flops,
                                                          device=self.device))
                 record = {"step": self.step, **metrics.reduce()}
-                record["perf/rollout_tokens_per_s"] = gen_tokens * self.world_size / max(t_roll.seconds, 1e-9)
-                record["perf/update_tokens_per_s"] = (record["perf/update_tokens"] * self.world_size
+                # token counts are totals over ranks; ranks run in lockstep, so rank 0's seconds are the step's
+                record["perf/rollout_tokens_per_s"] = record["perf/rollout_tokens"] / max(t_roll.seconds, 1e-9)
+                record["perf/update_tokens_per_s"] = (record["perf/update_tokens"] * self.cfg.grpo.num_iterations
                                                       / max(t_upd.seconds, 1e-9))
-                record["perf/tokens_per_s"] = ((gen_tokens + record["perf/update_tokens"]) * self.world_size
+                record["perf/tokens_per_s"] = ((record["perf/rollout_tokens"] + record["perf/update_tokens"])
                                                / max(t_roll.seconds + t_upd.seconds, 1e-9))
                 record["data/skipped_rows"] = float(self.data_info.get("skipped_invalid_rows", 0))
                 if self._due(cfg.eval.every):
@@ -321,18 +328,30 @@ class Trainer:
                 if completions_sink is not None:
                     self._log_completions(completions_sink, ep)
                 bar.update(record)
+                if self._stop_requested():
+                    self._save()
+                    if self.is_main:
+                        bar.write(f"[fastgrpo] SIGTERM: saved step {self.step} to {self.run_dir / 'checkpoints'}; "
+                                  "run the same command again to resume")
+                    return record
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.max_steps:
                     self._save()
             self._save()
             if cfg.checkpoint.export_hf:
                 ckpt.export_hf(self.run_dir / "final", model=self.model, tokenizer=self.tokenizer)
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             bar.close()
             for s in sinks:
                 s.close()
             if completions_sink is not None:
                 completions_sink.close()
         return record
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank got SIGTERM (all ranks must agree, or the others would wait in a collective)."""
+        return fdist.all_reduce_int(int(self._sigterm), "max", device=self.device) > 0
 
     def close(self) -> None:
         """Release the rollout engine. vLLM's teardown also ends torch.distributed's group: call this last."""

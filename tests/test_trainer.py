@@ -144,3 +144,21 @@ def test_vllm_context_too_short_is_a_clear_error_before_the_engine_starts(tmp_pa
     with pytest.raises(ValueError, match="rollout.max_model_len=8 is shorter than the longest prompt"):
         Trainer(cfg)
     assert not (tmp_path / "ctx").exists()
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):
+    import time
+
+    args = [sys.executable, "-m", "fastgrpo.train", *TOY, f"output_dir={tmp_path}", "name=term", "max_steps=500"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    saved = sorted(p.name for p in (tmp_path / "term" / "checkpoints").iterdir())
+    assert saved[-1] == f"step_{logged[-1]:06d}"  # the step in flight was finished and saved: nothing lost
+    assert logged[-1] < 500 and "SIGTERM" in out + err
