@@ -48,3 +48,11 @@ def test_two_process_fsdp_training_then_resume_on_one_process(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "dist" / "final")
     tok = AutoTokenizer.from_pretrained(tmp_path / "dist" / "final")
     assert len(tok) == model.config.vocab_size
+
+
+def test_torchrun_with_one_process_runs_like_python_dash_m(tmp_path):
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+                str(free_port()), "-m", "fastgrpo.train", *ARGS, f"output_dir={tmp_path}", "name=one",
+                "max_steps=1", "eval.every=-1", "checkpoint.export_hf=false"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "one" / "checkpoints" / "step_000001").is_dir()
