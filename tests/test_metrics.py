@@ -30,3 +30,34 @@ def test_drop_records_after(tmp_path):
     p.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)))
     drop_records_after(p, 2)
     assert [json.loads(x)["step"] for x in p.read_text().splitlines()] == [1, 2]
+
+
+def test_wandb_runs_offline_without_an_api_key(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    calls = {}
+    fake = types.ModuleType("wandb")
+
+    class Run:
+        def log(self, data, step):
+            calls.setdefault("log", []).append((step, data))
+
+        def finish(self):
+            calls["finished"] = True
+
+    def init(**kwargs):
+        calls["init"] = kwargs
+        return Run()
+
+    fake.init = init
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    from fastgrpo.metrics import WandbSink
+
+    sink = WandbSink("proj", "run", {"a": 1}, tmp_path)
+    sink.write({"step": 3, "reward/mean": 0.5})
+    sink.close()
+    assert calls["init"]["mode"] == "offline" and calls["init"]["project"] == "proj"
+    assert calls["log"] == [(3, {"reward/mean": 0.5})] and calls["finished"]
