@@ -7,7 +7,7 @@ from fastgrpo.config import ConfigError, describe, load_config
 
 
 def test_shipped_configs_load():
-    for name in ("tiny", "tiny-toy", "qwen2.5-3b-instruct-countdown", "qwen2.5-3b-base-countdown"):
+    for name in ("tiny", "tiny-toy", "qwen2.5-1.5b-instruct-gsm8k", "qwen2.5-3b-instruct-countdown", "qwen2.5-3b-base-countdown"):
         cfg = load_config(f"configs/{name}.yaml")
         assert cfg.name
 

@@ -364,3 +364,13 @@ def test_combine_passes_columns_to_builtin_rewards():
     R, r = combine_rewards(funcs, None, completions, columns)
     assert R.tolist() == [[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]]
     assert r.tolist() == [2.0, 1.0, 0.0]
+
+
+def test_countdown_claim_may_be_wider_than_any_literal():
+    # found by the hypothesis test: a correct equation whose target has 10 digits
+    from fastgrpo.rewards import REWARDS
+
+    text = "<think>x</think><answer>((44*((99*37)*85))*73) = 1000072260</answer>"
+    assert REWARDS["countdown"]([text], nums=[[44, 99, 37, 85, 73]], target=[1000072260]) == [1.0]
+    wide = "<answer>" + "1" * 10 + " = 1111111111</answer>"  # a literal still may not be that wide
+    assert REWARDS["countdown"]([wide], nums=[[1111111111]], target=[1111111111]) == [0.0]

@@ -28,6 +28,7 @@ MAX_ANSWER_CHARS = 256
 MAX_DEPTH = 32
 """Most nested parentheses accepted; bounds the parser's recursion."""
 MAX_LITERAL_DIGITS = 9
+MAX_CLAIM_DIGITS = 64  # the "= N" suffix: a target can exceed any literal; still far below int()'s 4300 limit
 """Longest integer literal accepted; keeps int parsing and fraction arithmetic small."""
 MAX_VALUE_BITS = 4096
 """An intermediate numerator or denominator wider than this rejects the answer (cannot happen with at most
@@ -41,8 +42,8 @@ class _Reject(Exception):
     """The answer breaks a rule; scored 0."""
 
 
-def _gate(expr: str) -> None:
-    """Cheap linear checks that make ``ast.parse`` safe to call."""
+def _gate(expr: str, max_digits: int = MAX_LITERAL_DIGITS) -> None:
+    """Cheap linear checks that make ``ast.parse`` (and ``int()``) safe to call."""
     if len(expr) > MAX_ANSWER_CHARS or not expr.isascii() or not _ALLOWED_CHARS.issuperset(expr):
         raise _Reject
     depth = run = 0
@@ -55,7 +56,7 @@ def _gate(expr: str) -> None:
             depth -= 1
         # A digit run longer than MAX_LITERAL_DIGITS would be a literal too wide to be a given number.
         run = run + 1 if ch.isdigit() else 0
-        if run > MAX_LITERAL_DIGITS:
+        if run > max_digits:
             raise _Reject
 
 
@@ -104,8 +105,9 @@ def score_equation(answer: str, nums: Iterable[Any], target: Any) -> float:
     """
     target = _as_int(target, "target")
     try:
-        _gate(answer)
+        _gate(answer, MAX_CLAIM_DIGITS)  # the "= N" claim may be wider than any given number...
         expr, claim = _split_claim(answer)
+        _gate(expr)  # ...but no literal of the expression may be
         if claim is not None and claim != target:
             return 0.0
         tree = ast.parse(expr.strip(), mode="eval").body

@@ -23,6 +23,7 @@ import torch
 
 from fastgrpo.rewards.countdown import countdown_reward
 from fastgrpo.rewards.format import format_reward
+from fastgrpo.rewards.math_answer import gsm8k_reward, math_verify_reward
 from fastgrpo.rewards.toy import toy_digit_reward
 
 RewardFunc = Callable[..., Sequence[Any]]
@@ -30,6 +31,8 @@ RewardFunc = Callable[..., Sequence[Any]]
 REWARDS: dict[str, RewardFunc] = {
     "countdown": countdown_reward,
     "format": format_reward,
+    "gsm8k": gsm8k_reward,
+    "math": math_verify_reward,
     "toy_digit": toy_digit_reward,
 }
 """Built-in rewards by name (RewardConfig.funcs entries)."""
