@@ -162,3 +162,13 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):
     saved = sorted(p.name for p in (tmp_path / "term" / "checkpoints").iterdir())
     assert saved[-1] == f"step_{logged[-1]:06d}"  # the step in flight was finished and saved: nothing lost
     assert logged[-1] < 500 and "SIGTERM" in out + err
+
+
+def test_gsm8k_rows_from_a_file_run_end_to_end(tmp_path):
+    cfg = load_config(None, [f"output_dir={tmp_path}", "name=g", "model.name_or_path=tiny", "device=cpu",
+                             "data.source=tests/data/gsm8k_small.jsonl", "data.num_eval=2", "rewards.funcs=[format,gsm8k]",
+                             "rollout.max_completion_length=8", "grpo.prompts_per_step=2", "grpo.num_generations=2",
+                             "max_steps=1", "eval.every=1", "eval.num_prompts=2", "eval.best_of_n=2",
+                             "log.progress=false", "checkpoint.export_hf=false"])
+    record = Trainer(cfg).run()
+    assert {"reward/format/mean", "reward/gsm8k/mean", "eval/greedy_acc", "eval/best_of_2"} <= set(record)
