@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import logging
-import math
 import random
 import sys
-import time
 from fractions import Fraction
 
 import pytest
 
+from _timing import timed
 from fastgrpo.rewards import REWARDS, load_reward_funcs
 from fastgrpo.rewards import math_answer
 from fastgrpo.rewards.math_answer import (
@@ -29,17 +28,6 @@ GSM8K_REF = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether she sol
 
 def g(completion, reference) -> float:
     return gsm8k_reward([completion], answer=[reference])[0]
-
-
-def timed(fn, *args) -> tuple[object, float]:
-    """Result and the best of 3 wall times after a warm-up call (a busy core cannot fail it; a slow path can)."""
-    result = fn(*args)
-    best = math.inf
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn(*args)
-        best = min(best, time.perf_counter() - t0)
-    return result, best
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from fractions import Fraction
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _timing import timed
 from fastgrpo.rewards import (
     REWARDS,
     combine_rewards,
@@ -32,21 +32,6 @@ def cd(answer_text: str, nums: list[int], target: int) -> float:
 
 def ans(expr: str) -> str:
     return f"<think>working</think>\n<answer>{expr}</answer>"
-
-
-def timed(fn, *args) -> tuple[object, float]:
-    """Result and the best of 3 wall times after a warm-up call.
-
-    Best-of-3 keeps a busy CI core from failing the test, while a super-linear or unbounded path (which is
-    slow every time) still fails it.
-    """
-    result = fn(*args)
-    best = math.inf
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn(*args)
-        best = min(best, time.perf_counter() - t0)
-    return result, best
 
 
 # ---------------------------------------------------------------------------------------------------------
