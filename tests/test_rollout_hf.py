@@ -289,3 +289,21 @@ def test_fsdp2_ranks_finishing_at_different_steps_do_not_hang(tiny_cache, tmp_pa
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--fsdp-worker"]:
     _fsdp_worker(sys.argv[2])
+
+
+def test_flex_attention_model_decodes_with_sdpa_and_keeps_flex_for_training(tiny_cache):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny(cache_dir=tiny_cache)
+    flex = AutoModelForCausalLM.from_pretrained(path, attn_implementation="flex_attention")
+    sdpa = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [tok("Pick a number:")["input_ids"], tok("Hi")["input_ids"]]
+    sp = SamplingParams(max_tokens=5, temperature=0.0, logprobs=True)
+    calls, real = [], flex.set_attn_implementation
+    flex.set_attn_implementation = lambda impl: (calls.append(impl), real(impl))[1]
+    a = HFEngine(flex, tok).generate(prompts, 1, sp)
+    assert calls == ["sdpa", "flex_attention"]
+    b = HFEngine(sdpa, tok).generate(prompts, 1, sp)
+    assert [g[0].token_ids for g in a] == [g[0].token_ids for g in b]
+    assert flex.config._attn_implementation == "flex_attention"  # restored for the packed update

@@ -20,8 +20,9 @@ V vocabulary size.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,21 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams,
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+@contextlib.contextmanager
+def _decoding_attention(model: nn.Module) -> Iterator[None]:
+    """Decode with sdpa when the model trains with flex_attention (the packed-training choice on CUDA without
+    flash-attn): flex's compiled kernels are specialised to shapes, and a KV cache changes shape every token."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != "flex_attention" or not hasattr(model, "set_attn_implementation"):
+        yield
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(impl)
+
+
 class HFEngine(RolloutEngine):
     """Generates with the policy module itself (single process or FSDP2, no copy of the weights).
 
@@ -126,7 +142,7 @@ class HFEngine(RolloutEngine):
         self.model.eval()
         flat: list[Completion] = []
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _decoding_attention(self.model):
                 for start in range(0, len(seqs), self.batch_size):
                     flat += self._generate_chunk(seqs[start:start + self.batch_size], sampling, generator, device)
         finally:
