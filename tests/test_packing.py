@@ -319,3 +319,15 @@ def test_bench_learner_quick_mode_packed_matches_padded(tmp_path):
     assert packed.check_logp == pytest.approx(padded.check_logp, rel=1e-5)
     assert packed.grad_norm == pytest.approx(padded.grad_norm, rel=1e-4)
     assert (tmp_path / "bench.csv").read_text().count("\n") == 3 and (tmp_path / "bench.md").exists()
+
+
+def test_flex_attention_packed_logprobs_equal_unpadded():
+    """flex_attention gets position_ids only and transformers derives the block mask from them; forward only,
+    because FlexAttention has no backward on CPU (its gradients run on CUDA). One family: compiling flex on CPU
+    takes ~30 s."""
+    model = tiny_model("qwen2", "flex_attention")
+    prompts, completions = _random_batch(seed=11, s=6, max_prompt=12, max_completion=10)
+    with torch.no_grad():
+        ref = unpadded_logprobs(model, prompts, completions)
+        got = packed_logprobs(model, prompts, completions, budget=30)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
