@@ -326,8 +326,6 @@ class TrainConfig:
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
                 sub.validate(f.name)
-        if self.grpo.num_iterations > 1 and self.rollout.importance_sampling_cap is not None:
-            pass  # both compose: old log-probs come from the trainer, the IS weight from the sampler
         return self
 
 

@@ -69,7 +69,7 @@ class Trainer:
         self.sampler = PromptSampler(len(self.train_rows), seed=cfg.data.seed, rank=self.rank,
                                      world_size=self.world_size)
 
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model, seed=cfg.seed)
         # Under FSDP on CUDA, 'auto' loads float32 master weights and FSDP computes in parallel.param_dtype: AdamW
         # updates of lr ~ 1e-6 vanish in bfloat16 weights (8 bits of mantissa).
         master_dtype = None
@@ -111,7 +111,7 @@ class Trainer:
             raise ValueError(f"rollout.max_model_len={r.max_model_len} is shorter than the longest prompt "
                              f"({longest} tokens) + rollout.max_completion_length ({r.max_completion_length})")
         engine = build_engine(
-            "vllm", model_path=str(resolve_model_path(self.cfg.model)), tokenizer=self.tokenizer,
+            "vllm", model_path=str(resolve_model_path(self.cfg.model, seed=self.cfg.seed)), tokenizer=self.tokenizer,
             seed=self.cfg.seed + self.rank, gpu_memory_utilization=r.gpu_memory_utilization,
             max_model_len=r.max_model_len or needed, enable_prefix_caching=r.enable_prefix_caching,
             sleep_level=r.sleep_level, sync_bucket_mb=r.sync_bucket_mb, rank=self.rank,
@@ -150,7 +150,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ phases
 
     def prompts(self, indices: list[int], rows: list[dict]) -> tuple[list[str], list[list[int]]]:
-        """Render and tokenize prompts (cached per training row)."""
+        """Render and tokenize prompts of ``rows`` (the train or the eval split), cached per row."""
         texts, ids = [], []
         for i in indices:
             key = i if rows is self.train_rows else -1 - i
@@ -206,13 +206,13 @@ class Trainer:
     def policy_update(self, ep: Episodes, metrics: StepMetrics) -> None:
         g = self.cfg.grpo
         lengths = ep.lengths  # [S]
+        n_tok = int(lengths.sum())  # N on this rank
         counts = GlobalCounts(num_sequences=fdist.all_reduce_int(ep.num_sequences, "sum", device=self.device),
-                              num_tokens=fdist.all_reduce_int(int(lengths.sum()), "sum", device=self.device),
+                              num_tokens=fdist.all_reduce_int(n_tok, "sum", device=self.device),
                               max_completion_length=self.cfg.rollout.max_completion_length)
         weights = token_weights(g.loss_type, lengths, counts).to(self.device)  # [N]
         adv = torch.repeat_interleave(ep.adv.advantages, lengths).to(self.device)  # [N]
         mbs = self._microbatches(ep)
-        n_tok = int(lengths.sum())
 
         self.model.train()
         ref_lp = self.logprobs(self.ref_model, mbs, n_tok) if self.ref_model is not None else None
