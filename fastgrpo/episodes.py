@@ -52,10 +52,15 @@ class Episodes:
         return len(self.completion_ids)
 
 
-def expand_columns(rows: list[dict[str, Any]], group_size: int) -> dict[str, list[Any]]:
-    """Dataset columns of B rows -> dict of lists with one entry per completion (each row repeated G times)."""
-    keys = sorted({k for r in rows for k in r})
-    return {k: [r.get(k) for r in rows for _ in range(group_size)] for k in keys}
+def reward_columns(rows: list[dict[str, Any]], group_size: int, prompt_texts: list[str],
+                   completion_ids: list[list[int]]) -> dict[str, list[Any]]:
+    """TRL's reward keyword arguments for B rows x G completions: every dataset column (each row repeated G times),
+    ``prompts`` (the rendered prompts, in place of a raw ``prompt`` column) and ``completion_ids``."""
+    keys = sorted({k for r in rows for k in r} - {"prompt", "completion_ids"})
+    columns = {k: [r.get(k) for r in rows for _ in range(group_size)] for k in keys}
+    columns["prompts"] = [p for p in prompt_texts for _ in range(group_size)]
+    columns["completion_ids"] = completion_ids
+    return columns
 
 
 def collect_episodes(engine: RolloutEngine, rows: list[dict[str, Any]], prompt_texts: list[str],
@@ -71,11 +76,8 @@ def collect_episodes(engine: RolloutEngine, rows: list[dict[str, Any]], prompt_t
     s_prompt_ids = [p for p in prompt_ids for _ in range(group_size)]
     completion_ids = [list(c.token_ids) for c in comps]
     texts = [c.text for c in comps]
-    columns = expand_columns(rows, group_size)
-    columns.pop("prompt", None)  # the rendered prompt is passed as `prompts`, as TRL does
-    columns.pop("completion_ids", None)
     per_func, total = combine_rewards(reward_funcs, reward_weights, texts,
-                                      dict(columns, prompts=s_prompt_texts, completion_ids=completion_ids))
+                                      reward_columns(rows, group_size, prompt_texts, completion_ids))
     adv = compute_advantages(total, group_size, scale=scale_rewards, all_reduce=all_reduce)
     sampler_lp = None
     if all(c.logprobs is not None for c in comps):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from math import comb
 from typing import Any, Callable
 
-from fastgrpo.episodes import expand_columns
+from fastgrpo.episodes import reward_columns
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 
 
@@ -24,10 +24,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def _correct(reward_fn: Callable, rows: list[dict[str, Any]], prompt_texts: list[str], groups: list) -> list[list[bool]]:
     n = len(groups[0])
     texts = [c.text for g in groups for c in g]
-    columns = expand_columns(rows, n)
-    columns.pop("prompt", None)
-    columns["prompts"] = [p for p in prompt_texts for _ in range(n)]
-    columns["completion_ids"] = [c.token_ids for g in groups for c in g]
+    columns = reward_columns(rows, n, prompt_texts, [c.token_ids for g in groups for c in g])
     scores = reward_fn(texts, **columns)
     ok = [s is not None and s >= 1.0 for s in scores]
     return [ok[i * n:(i + 1) * n] for i in range(len(groups))]
