@@ -112,6 +112,7 @@ def compile_one(fn, *, ptr_types, constexprs, num_warps, num_stages, variant) ->
 def kernel_specs(bf16_only: bool = False):
     """(kernel, pointer dtypes, constexprs, launch options, variant label) at the launchers' GPU block sizes."""
     tr = _load_triton_backend()
+    from fastgrpo.kernels import _gradfwd as gf
     variants = [("bf16", "*bf16", tr.GPU_BLOCKS, "ieee")]
     if not bf16_only:
         variants.append(("fp32-tf32", "*fp32", tr.GPU_BLOCKS_FP32, "tf32"))
@@ -132,6 +133,11 @@ def kernel_specs(bf16_only: bool = False):
                       dict(base, **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_H", "BLOCK_K")}), launch, label))
         specs.append((tr._dweight_kernel, {"dx_ptr": dt, "h_ptr": dt, "rows_ptr": "*i32", "n_active_ptr": "*i32"},
                       dict(base, **{k: cfg[k] for k in ("BLOCK_V", "BLOCK_H", "BLOCK_K")}), launch, label))
+        # The "cublas" loss path's row kernels (memory-bound, no dot): one program per row / row slice.
+        rows = dict(BLOCK_V=gf._ROW_BLOCK_V)
+        row_launch = dict(num_warps=gf._ROW_WARPS, num_stages=1)
+        specs.append((gf._rowstats_kernel, {"x_ptr": dt, "tgt_ptr": "*i64"}, rows, row_launch, label))
+        specs.append((gf._softmax_grad_kernel, {"x_ptr": dt, "tgt_ptr": "*i64"}, rows, row_launch, label))
     return specs
 
 

@@ -9,25 +9,37 @@ Per token (TRL's objective, so runs are comparable):
     k3     = exp(ref - logp) - (ref - logp) - 1    (only when beta != 0)
     l      = l_pg + beta * k3
 
-How it is split: the heavy part (``logp`` per row, and its backward through the vocabulary) is the fused
-op of ``logprobs.py``; the token loss above is a handful of ``[N]`` vector ops whose gradient autograd hands
-to that op as ``g_logp[n] = token_weights[n] * dl_n/dlogp_n``. Those vector ops cost nothing next to the
-``N x V x H`` products, and reusing autograd keeps the tie and clamp-boundary gradient conventions identical to
-the reference's.
+Backends (``backend=``):
+  ``"cublas"``  CUDA default when a gradient is needed (``_gradfwd.py``): the gradient is formed in forward, chunk
+               by chunk, from cuBLAS logits; three large products in all, the floor. One host sync per call.
+  ``"triton"``  the fused op of ``logprobs.py`` (online log-sum-exp in forward, logits recomputed in backward: four
+               products, no host sync, no ``[C, V]`` buffer in forward); CUDA default without a gradient (old /
+               reference log-probs, evaluation).
+  ``"torch"``   the chunked torch path of ``logprobs.py``; the default off CUDA.
+For ``"triton"`` and ``"torch"`` the token loss above is a handful of ``[N]`` vector ops whose gradient autograd
+hands to the fused op as ``g_logp[n] = token_weights[n] * dl_n/dlogp_n``; ``"cublas"`` uses the closed form of
+the same derivative (``_gradfwd.grpo_logp_grad``, tested against autograd).
 
-Zero-weight tokens: forward skips them (``active = token_weights != 0``; on the Triton path the selection is
-made on the device, so there is no host sync); their ``stats["logprobs"]`` entries are 0. Backward also skips
-every row whose ``g_logp`` is 0 -- in particular tokens with advantage 0 when beta == 0 (whole groups with equal
-rewards), which are common in GRPO.
+Zero-weight tokens: every backend skips them in forward (``token_weights != 0``; the Triton path selects rows on
+the device, without a host sync); their ``stats["logprobs"]`` entries are 0. The recompute backends also skip,
+in backward, every row whose ``g_logp`` is 0 -- in particular tokens with advantage 0 when beta == 0 (whole
+groups with equal rewards), which are common in GRPO.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .logprobs import fused_logprobs
+from .logprobs import check_inputs, fused_logprobs, resolve_backend
 
-__all__ = ["linear_grpo_loss", "grpo_token_loss"]
+try:  # the "cublas" path needs Triton for its two row kernels
+    from . import _gradfwd
+except ImportError:  # pragma: no cover - depends on the environment
+    _gradfwd = None
+
+__all__ = ["linear_grpo_loss", "grpo_token_loss", "LOSS_BACKENDS"]
+
+LOSS_BACKENDS = ("auto", "cublas", "triton", "torch")
 
 
 def grpo_token_loss(logp, advantages, *, old_logprobs, ref_logprobs, epsilon_low, epsilon_high, delta, beta):
@@ -77,7 +89,9 @@ def linear_grpo_loss(
         delta: upper clamp of the unclipped ratio (two-sided clipping); None disables it.
         beta: weight of the k3 KL penalty.
         temperature: logits are divided by it.
-        return_entropy, backend, chunk_size: extras; see ``linear_logprobs``.
+        return_entropy: also return the softmax entropy per row in ``stats`` (not differentiated).
+        backend: ``"auto"``, ``"cublas"``, ``"triton"`` or ``"torch"``; see the module docstring.
+        chunk_size: rows per chunk (``"cublas"``: the ``[C, V]`` buffer; otherwise see ``linear_logprobs``).
 
     Returns:
         ``(loss, stats)``: ``loss`` a float32 scalar; ``stats`` device tensors, no host sync: ``logprobs [N]``
@@ -97,20 +111,22 @@ def linear_grpo_loss(
             raise ValueError(f"{name} must be [N]={hidden.shape[0]}, got {tuple(vec.shape)}")
 
     counted = token_weights != 0  # [N]
-    logp, entropy = fused_logprobs(hidden, weight, targets, active=counted, temperature=temperature,
-                                   with_entropy=return_entropy, backend=backend, chunk_size=chunk_size)
-    if old_logprobs is not None:
-        # Skipped rows have logp == 0; using old there keeps exp(logp - old) finite (0 * inf would be NaN
-        # in the gradient) and the row still gets no gradient through the where.
-        logp_used = torch.where(counted, logp, old_logprobs.float())
+    token_kw = dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, epsilon_low=epsilon_low,
+                    epsilon_high=epsilon_high, delta=delta, beta=beta)
+    name = _loss_backend(backend, hidden, weight)
+    if name == "cublas":
+        check_inputs(hidden, weight, targets, temperature)
+        grad_on = torch.is_grad_enabled()
+        needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+        loss, logp, entropy = _GradInForwardLoss.apply(hidden, weight, targets, advantages, token_weights,
+                                                       1.0 / float(temperature), chunk_size, token_kw, needs)
+        with torch.no_grad():
+            _, ratio, kl = grpo_token_loss(_with_old(logp, counted, old_logprobs), advantages, **token_kw)
     else:
-        logp_used = logp
-    per_token, ratio, kl = grpo_token_loss(
-        logp_used, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-        epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
-    )
-    weights = token_weights.float()  # [N]
-    loss = (weights * per_token).sum()
+        logp, entropy = fused_logprobs(hidden, weight, targets, active=counted, temperature=temperature,
+                                       with_entropy=return_entropy, backend=name, chunk_size=chunk_size)
+        per_token, ratio, kl = grpo_token_loss(_with_old(logp, counted, old_logprobs), advantages, **token_kw)
+        loss = (token_weights.float() * per_token).sum()
 
     adv = advantages
     n_counted = counted.sum().clamp(min=1).float()
@@ -123,3 +139,59 @@ def linear_grpo_loss(
     if return_entropy:
         stats["entropy"] = entropy.detach()
     return loss, stats
+
+
+def _with_old(logp, counted, old_logprobs):
+    # Skipped rows have logp == 0; using old there keeps exp(logp - old) finite (0 * inf would be NaN in the
+    # gradient) and the row still gets no gradient through the where.
+    return logp if old_logprobs is None else torch.where(counted, logp, old_logprobs.float())
+
+
+def _loss_backend(backend: str, hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """``"auto"``: ``"cublas"`` on CUDA when a gradient will be taken, ``"triton"`` on CUDA without one, else
+    the chunked torch path."""
+    if backend not in LOSS_BACKENDS:
+        raise ValueError(f"backend must be one of {list(LOSS_BACKENDS)}, got {backend!r}")
+    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if backend == "auto":
+        if hidden.device.type == "cuda" and _gradfwd is not None and wants_grad:
+            return "cublas"
+        return resolve_backend("auto", hidden.device)
+    if backend == "cublas":
+        if _gradfwd is None:
+            raise ValueError("backend='cublas' needs Triton (pip install triton) for its row kernels")
+        if hidden.device.type != "cuda" and not _gradfwd.INTERPRET:
+            raise ValueError("backend='cublas' needs CUDA tensors (or TRITON_INTERPRET=1 set before import)")
+        return backend
+    return resolve_backend(backend, hidden.device)
+
+
+class _GradInForwardLoss(torch.autograd.Function):
+    """``(loss, logp, entropy)``; only ``loss`` is differentiable. Forward runs ``_gradfwd.loss_pass``, which also
+    forms the gradients of the loss; backward scales them by the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, advantages, token_weights, inv_temp, chunk_size, token_kw, needs):
+        logp, entropy, grad_hidden, grad_weight = _gradfwd.loss_pass(
+            hidden, weight, targets, advantages, token_weights, inv_temp=inv_temp, chunk_size=chunk_size,
+            need_grad_hidden=needs[0], need_grad_weight=needs[1], **token_kw,
+        )
+        counted = token_weights != 0
+        per_token, _, _ = grpo_token_loss(_with_old(logp, counted, token_kw["old_logprobs"]), advantages,
+                                          **token_kw)
+        loss = (token_weights.float() * per_token).sum()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(logp, entropy)
+        return loss, logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_logp, _g_entropy):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if g_loss is None:
+            return (None,) * 9
+        # loss.backward() passes exactly 1: then the stored gradients are the answer (one sync to know it,
+        # cheaper than a pass over [V, H]).
+        if not bool(g_loss == 1):
+            grad_hidden = None if grad_hidden is None else grad_hidden * g_loss.to(grad_hidden.dtype)
+            grad_weight = None if grad_weight is None else grad_weight * g_loss.to(grad_weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None

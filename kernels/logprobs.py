@@ -34,6 +34,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     """``"auto"`` -> Triton on CUDA tensors when Triton imports, else the chunked torch path."""
     if backend == "auto":
         return "triton" if device.type == "cuda" and "triton" in BACKENDS else "torch"
+    if backend == "cublas":
+        raise ValueError("backend='cublas' forms the gradient in forward, which needs the scalar loss: it is a "
+                         f"linear_grpo_loss backend; here choose 'auto' or one of {sorted(BACKENDS)}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     if backend == "triton" and device.type != "cuda" and not _triton.INTERPRET:

@@ -1,0 +1,242 @@
+"""The ``"cublas"`` path of ``linear_grpo_loss``: gradient computed in forward, three large products in all.
+
+Shapes: N rows (tokens), H hidden, V vocabulary, K selected rows (token weight != 0), C rows per chunk.
+Notation: ``x = hidden @ weight.T`` (raw logits), ``z = x / T`` (T = temperature), ``p = softmax(z)``.
+
+Why a second design next to ``_triton.py``? The loss is a scalar, and every per-token quantity its gradient
+needs (advantage, old and reference log-probs, token weight) is known in forward. So as soon as a chunk's
+log-sum-exp is known, the gradient of the loss with respect to that chunk's logits can be formed, and the logits
+are never needed again: backward does not recompute them. That is three ``N x V x H`` products, the floor,
+against four for the recompute path.
+
+Per chunk of C selected rows, with one ``[C, V]`` buffer in the inputs' dtype (at most ``_BUFFER_BYTES``):
+  1. ``x = hidden[rows] @ weight.T``                   cuBLAS, written into the buffer          (product 1)
+  2. ``_rowstats_kernel``: lse, logp, entropy           Triton, reads the buffer once
+  3. ``g = token_weight * dl/dlogp``                    ``[C]`` vector ops, ``grpo_logp_grad`` (closed form)
+  4. ``_softmax_grad_kernel``: ``x <- g (onehot - p) / T``  Triton, in place
+  5. ``grad_hidden[rows] = x @ weight``                 cuBLAS                                   (product 2)
+  6. ``grad_weight += x.T @ hidden[rows]``              cuBLAS, one float32 ``[V, H]`` buffer    (product 3)
+Backward only scales the stored gradients by the loss's upstream gradient (nothing when it is 1, the usual case).
+
+Numerics: the buffer holds the logits in the inputs' dtype, exactly what ``model(...).logits`` gives and what
+the bf16 torch reference (TRL) computes; the statistics and the softmax gradient are formed in float32 from it;
+the gradient products accumulate in float32 inside cuBLAS; ``grad_weight`` accumulates over chunks in float32
+(``addmm`` with ``out_dtype=float32`` where this torch has it for 16-bit inputs, else the Triton
+read-modify-write kernel of ``_triton.py``), so rounding to the weight's dtype happens once.
+
+Costs against the recompute path, estimated, not measured here: one large product fewer; about 6 extra bytes of
+traffic per logit (the buffer is written once by cuBLAS, read twice, written once), a few per cent of a product
+at H >= 2048 on an H100; one ``[C, V]`` buffer; and one host sync per call to learn K (cuBLAS needs the row count
+on the host). The stored gradients live from forward to backward, which in a training step is the time it
+takes to start the backward pass.
+
+Zero rows: rows with token weight 0 never enter a product. Rows whose gradient coefficient is 0 (advantage 0
+with beta 0) still do (their coefficient is only known after product 1); their ``dx`` rows are zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _triton
+
+INTERPRET = _triton.INTERPRET
+
+_BUFFER_BYTES = 512 << 20  # the [C, V] logits / dlogits buffer
+_ROW_BLOCK_V = 32 if INTERPRET else 4096
+_ROW_WARPS = 8
+
+
+@triton.jit
+def _rowstats_kernel(x_ptr, tgt_ptr, lse_ptr, logp_ptr, ent_ptr, V, stride_x, inv_temp,
+                     BLOCK_V: tl.constexpr):
+    # One program per row of the [C, V] buffer: online log-sum-exp over BLOCK_V-wide slices, in float32.
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * stride_x
+    offs = tl.arange(0, BLOCK_V)
+    m = tl.full((), float("-inf"), dtype=tl.float32)  # running max of z
+    s = tl.zeros((), dtype=tl.float32)  # sum exp(z - m)
+    a = tl.zeros((), dtype=tl.float32)  # sum exp(z - m) * z
+    for v0 in range(0, V, BLOCK_V):
+        mask = offs < V - v0
+        z = tl.load(base + v0 + offs, mask=mask, other=0.0).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, tl.max(tl.where(mask, z, float("-inf")), axis=0))
+        alpha = tl.exp(m - m_new)
+        e = tl.where(mask, tl.exp(z - m_new), 0.0)
+        s = s * alpha + tl.sum(e, axis=0)
+        a = a * alpha + tl.sum(e * z, axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    tgt = tl.load(tgt_ptr + row).to(tl.int64)
+    zt = tl.load(base + tgt).to(tl.float32) * inv_temp
+    tl.store(lse_ptr + row, lse)
+    tl.store(logp_ptr + row, zt - lse)
+    tl.store(ent_ptr + row, lse - a / s)
+
+
+@triton.jit
+def _softmax_grad_kernel(x_ptr, tgt_ptr, lse_ptr, g_ptr, V, stride_x, inv_temp, BLOCK_V: tl.constexpr):
+    # x[row, v] <- g[row] * (onehot(target)[v] - softmax(z)[v]) / T, in place, in the buffer's dtype.
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = offs < V
+    ptrs = x_ptr + row.to(tl.int64) * stride_x + offs
+    g = tl.load(g_ptr + row)
+    if g == 0:
+        dx = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    else:
+        lse = tl.load(lse_ptr + row)
+        tgt = tl.load(tgt_ptr + row).to(tl.int32)
+        z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * inv_temp
+        p = tl.exp(z - lse)
+        dx = (tl.where(offs == tgt, g, 0.0) - g * p) * inv_temp
+    tl.store(ptrs, dx.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------- maths
+
+
+def grpo_logp_grad(logp, advantages, token_weights, *, old_logprobs, ref_logprobs, epsilon_low, epsilon_high,
+                   delta, beta):
+    """``token_weights * d l / d logp`` per token, ``[C]`` float32, for ``grpo_loss.grpo_token_loss``'s ``l``.
+
+    Closed form of autograd's result, with its conventions at the kinks (tests compare the two):
+    ``clamp`` passes the gradient where the input lies inside the closed interval, and ``minimum`` splits it
+    evenly between equal arguments (which is every token when ``old_logprobs`` is None: both branches equal A).
+    """
+    logp = logp.float()
+    adv = advantages.float()
+    ratio = torch.ones_like(logp) if old_logprobs is None else torch.exp(logp - old_logprobs.float())
+    d_ratio = ratio  # d ratio / d logp
+    unclipped, d_unclipped = ratio, d_ratio
+    if delta is not None:
+        unclipped = torch.clamp(ratio, max=delta)
+        d_unclipped = torch.where(ratio <= delta, d_ratio, 0.0)
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    d_clipped = torch.where((ratio >= 1.0 - epsilon_low) & (ratio <= 1.0 + epsilon_high), d_ratio, 0.0)
+    a, b = unclipped * adv, clipped * adv
+    da, db = d_unclipped * adv, d_clipped * adv
+    d_min = torch.where(a < b, da, torch.where(a > b, db, 0.5 * (da + db)))
+    g = -d_min
+    if beta != 0.0:
+        g = g + beta * (1.0 - torch.exp(ref_logprobs.float() - logp))  # d k3 / d logp
+    return g * token_weights.float()
+
+
+# ------------------------------------------------------------------------------------------------ products
+
+
+@functools.lru_cache(maxsize=None)
+def _addmm_fp32_out_supported(device_type: str, index: int | None) -> bool:
+    """Does this torch accumulate a 16-bit product into a float32 matrix in place (cuBLAS, beta=1)?"""
+    if device_type != "cuda":
+        return False
+    device = torch.device(device_type, index)
+    try:
+        a = torch.randn(16, 8, device=device).to(torch.bfloat16)
+        b = torch.randn(8, 16, device=device).to(torch.bfloat16)
+        acc = torch.randn(16, 16, device=device)
+        expected = acc + a.float() @ b.float()
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return bool(torch.allclose(acc, expected, rtol=1e-3, atol=1e-3))
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _accumulate_grad_weight(grad_weight, dx, h, *, first: bool) -> None:
+    """``grad_weight (+)= dx.T @ h`` into the float32 ``[V, H]`` buffer (``dx [c, V]``, ``h [c, H]``)."""
+    if dx.dtype == torch.float32:
+        if first:
+            torch.mm(dx.T, h, out=grad_weight)
+        else:
+            grad_weight.addmm_(dx.T, h)
+        return
+    if _addmm_fp32_out_supported(dx.device.type, dx.device.index):
+        torch.addmm(grad_weight, dx.T, h, beta=0 if first else 1, out_dtype=torch.float32, out=grad_weight)
+        return
+    if first:
+        grad_weight.zero_()
+    # Triton read-modify-write (float32 tile accumulator, no atomics), shared with the recompute path.
+    c, vocab, h_dim = dx.shape[0], dx.shape[1], h.shape[1]
+    cfg = _triton._blocks(dx.dtype, None)
+    rows = torch.arange(c, dtype=torch.int32, device=dx.device)
+    count = torch.full((1,), c, dtype=torch.int32, device=dx.device)
+    _triton._dweight_kernel[(triton.cdiv(vocab, cfg["BLOCK_V"]), triton.cdiv(h_dim, cfg["BLOCK_H"]))](
+        dx, h, rows, count, grad_weight, 0, c, vocab, h_dim, dx.stride(0), h.stride(0), grad_weight.stride(0),
+        UPCAST=INTERPRET, PRECISION=_triton._precision(dx.dtype),
+        **_triton._launch_kw(cfg, "BLOCK_V", "BLOCK_H", "BLOCK_K"),
+    )
+
+
+def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprobs, ref_logprobs, epsilon_low,
+              epsilon_high, delta, beta, inv_temp, need_grad_hidden, need_grad_weight, chunk_size=None):
+    """Forward of the loss with its gradients.
+
+    Returns ``(logp, entropy, grad_hidden, grad_weight)``: ``[N]`` float32 each (0 on rows with token weight 0),
+    then the gradients of ``sum_n token_weights[n] * l_n`` (in the inputs' dtypes; None where not needed).
+    """
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    n, h_dim = hidden.shape
+    vocab = weight.shape[0]
+    dev = hidden.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    logp = torch.zeros(n, **f32)
+    entropy = torch.zeros(n, **f32)
+    grad_hidden = torch.zeros_like(hidden) if need_grad_hidden else None
+    grad_weight = torch.empty(weight.shape, **f32) if need_grad_weight else None
+
+    counted = token_weights != 0
+    selected = counted.nonzero().squeeze(1)  # [K]; the host sync: cuBLAS needs K on the host
+    k = selected.numel()
+    if k == 0:
+        if grad_weight is not None:
+            grad_weight.zero_()
+        return logp, entropy, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)
+    all_rows = k == n
+    if chunk_size is None:
+        chunk_size = max(1, _BUFFER_BYTES // (vocab * hidden.element_size()))
+    elif chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    chunk = min(chunk_size, k)
+    buf = torch.empty((chunk, vocab), dtype=hidden.dtype, device=dev)  # [C, V]
+    need_grad = need_grad_hidden or need_grad_weight
+    block_v = _ROW_BLOCK_V
+
+    for start in range(0, k, chunk):
+        stop = min(start + chunk, k)
+        c = stop - start
+        rows = slice(start, stop) if all_rows else selected[start:stop]  # [c]
+        h = hidden[rows]  # [c, H]; a view when every row is selected
+        tgt = targets[rows].contiguous()
+        x = buf[:c]
+        torch.mm(h, weight.T, out=x)  # product 1: logits [c, V]
+        lse_c, logp_c, ent_c = (torch.empty(c, **f32) for _ in range(3))
+        _rowstats_kernel[(c,)](x, tgt, lse_c, logp_c, ent_c, vocab, x.stride(0), inv_temp,
+                               BLOCK_V=block_v, num_warps=_ROW_WARPS)
+        logp[rows] = logp_c
+        entropy[rows] = ent_c
+        if not need_grad:
+            continue
+        g_c = grpo_logp_grad(
+            logp_c, advantages[rows], token_weights[rows],
+            old_logprobs=None if old_logprobs is None else old_logprobs[rows],
+            ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
+            epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
+        ).contiguous()
+        _softmax_grad_kernel[(c, triton.cdiv(vocab, block_v))](x, tgt, lse_c, g_c, vocab, x.stride(0), inv_temp,
+                                                                BLOCK_V=block_v, num_warps=_ROW_WARPS)
+        if need_grad_hidden:
+            if all_rows:
+                torch.mm(x, weight, out=grad_hidden[rows])  # product 2
+            else:
+                grad_hidden.index_copy_(0, rows, x @ weight)
+        if need_grad_weight:
+            _accumulate_grad_weight(grad_weight, x, h, first=start == 0)  # product 3
+    del buf
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    return logp, entropy, grad_hidden, grad_weight
