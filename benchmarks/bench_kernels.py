@@ -4,13 +4,17 @@
     python benchmarks/bench_kernels.py --quick                        # tiny shapes, CPU is fine
 
 Methods (same inputs from harness.make_inputs, bf16, DAPO-style token weights, old_logprobs = None):
-  ours         fastgrpo.kernels.linear_grpo_loss (Triton on CUDA, chunked torch on CPU)
+  ours         fastgrpo.kernels.linear_grpo_loss, backend "auto": on CUDA the "cublas" path (gradient formed in
+               forward: three cuBLAS products plus two Triton row kernels); chunked torch on CPU
+  ours_recompute  backend "triton": all-Triton, online log-sum-exp forward, logits recomputed in backward (four
+               products, no host sync)
   naive        full fp32 logits, log_softmax, gather (TRL's path; reference_linear_grpo_loss)
   liger        Liger-Kernel's LigerFusedLinearGRPOLoss (chunked torch), when installed
   liger_triton Liger-Kernel's Triton grpo_loss op on materialised bf16 logits, when installed
-  floor        three cuBLAS matmuls: hidden @ W.T, dZ @ W, dZ.T @ hidden (what any exact method must do;
-               ours recomputes the logits in backward, so its own floor is 4 matmuls)
-Peak MB is CUDA max_memory_allocated above the inputs (grads included); CPU runs do not measure memory.
+  floor        three cuBLAS matmuls: hidden @ W.T, dZ @ W, dZ.T @ hidden (what any exact method must do)
+Peak MB is CUDA max_memory_allocated above the inputs, gradients included; "over grads MB" subtracts the two
+gradients every method must return (N x H and V x H in the inputs' dtype): that is the issue's "extra memory".
+The x-floor column is each method's time over the floor's for the same shape. CPU runs do not measure memory.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import csv
 import datetime
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -50,10 +55,20 @@ FULL_SHAPES = (
 QUICK_SHAPES = [Shape(n=64, h=32, v=509, label="quick"), Shape(n=256, h=72, v=4231, label="quick odd")]
 
 
-def _ours(inp):
+def _ours(inp, backend="auto"):
     loss, _ = fk.linear_grpo_loss(inp["hidden"], inp["weight"], inp["targets"], inp["advantages"],
-                                  inp["token_weights"])
+                                  inp["token_weights"], backend=backend)
     torch.autograd.grad(loss, (inp["hidden"], inp["weight"]))
+
+
+class Unavailable(Exception):
+    """A method that cannot run here (the row's note says why)."""
+
+
+def _make_ours_recompute(inp):
+    if inp["hidden"].device.type != "cuda":
+        raise Unavailable("needs CUDA (the Triton backend)")
+    return lambda i: _ours(i, backend="triton")
 
 
 def _naive(inp):
@@ -119,6 +134,7 @@ def _make_liger_triton(inp):
 
 METHODS = {
     "ours": lambda inp: _ours,
+    "ours_recompute": _make_ours_recompute,
     "naive": lambda inp: _naive,
     "liger": _make_liger,
     "liger_triton": _make_liger_triton,
@@ -126,18 +142,30 @@ METHODS = {
 }
 
 
-def bench(shapes, *, device, dtype, methods, warmup, reps, zero_weight_frac) -> list[dict]:
+def bench(shapes, *, device, dtype, methods, warmup, reps, zero_weight_frac, budget_s=None) -> list[dict]:
     rows = []
+    t_start = time.monotonic()
     for shape in shapes:
+        if budget_s is not None and time.monotonic() - t_start > budget_s:
+            print(f"  time budget of {budget_s:.0f} s spent: skipping {shape.label} N={shape.n}", flush=True)
+            rows += [dict(label=shape.label, n=shape.n, h=shape.h, v=shape.v, method=name, ms="", x_floor="",
+                          peak_mb="", over_grads_mb="", note="skipped: time budget") for name in methods]
+            continue
         inp = make_inputs(shape, dtype=dtype, device=device, seed=0, zero_weight_frac=zero_weight_frac)
         for name in methods:
-            row = dict(label=shape.label, n=shape.n, h=shape.h, v=shape.v, method=name, ms="", peak_mb="", note="")
+            row = dict(label=shape.label, n=shape.n, h=shape.h, v=shape.v, method=name, ms="", x_floor="",
+                       peak_mb="", over_grads_mb="", note="")
             try:
                 fn = METHODS[name](inp)
                 ms, peak = time_fwd_bwd(lambda: fn(inp), warmup=warmup, reps=reps)
                 row.update(ms=f"{ms:.2f}", peak_mb="" if peak != peak else f"{peak:.0f}")
+                if peak == peak:
+                    grads_mb = (shape.n + shape.v) * shape.h * inp["hidden"].element_size() / 2**20
+                    row["over_grads_mb"] = f"{peak - grads_mb:.0f}"
             except ImportError as exc:
                 row["note"] = f"not installed ({exc.name or exc})"
+            except Unavailable as exc:
+                row["note"] = str(exc)
             except torch.cuda.OutOfMemoryError:
                 row["note"] = "OOM"
             except Exception as exc:  # a baseline's API changed: report, keep going
@@ -146,17 +174,22 @@ def bench(shapes, *, device, dtype, methods, warmup, reps, zero_weight_frac) -> 
                 if device == "cuda":
                     torch.cuda.empty_cache()
             rows.append(row)
-            print(f"  {shape.label:>18} N={shape.n:<6} {name:<13} {row['ms'] or '-':>9} ms "
+            print(f"  {shape.label:>18} N={shape.n:<6} {name:<15} {row['ms'] or '-':>9} ms "
                   f"{row['peak_mb'] or '-':>8} MB {row['note']}", flush=True)
+        floor = next((r for r in rows[-len(methods):] if r["method"] == "floor" and r["ms"]), None)
+        for r in rows[-len(methods):]:
+            if floor is not None and r["ms"]:
+                r["x_floor"] = f"{float(r['ms']) / float(floor['ms']):.2f}"
         del inp
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| shape | N | H | V | method | fwd+bwd ms | peak MB | note |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | N | H | V | method | fwd+bwd ms | x floor | peak MB | over grads MB | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['label']} | {r['n']} | {r['h']} | {r['v']} | {r['method']} | {r['ms'] or '-'} "
-                     f"| {r['peak_mb'] or '-'} | {r['note']} |")
+                     f"| {r['x_floor'] or '-'} | {r['peak_mb'] or '-'} | {r['over_grads_mb'] or '-'} | {r['note']} |")
     return "\n".join(lines)
 
 
@@ -168,6 +201,8 @@ def main(argv=None) -> int:
     parser.add_argument("--zero-weight-frac", type=float, default=0.0, help="fraction of tokens with weight 0")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no new shape after this many seconds (the rest are listed as skipped)")
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -187,7 +222,7 @@ def main(argv=None) -> int:
               f"command: {' '.join(sys.argv)}")
     print(header, flush=True)
     rows = bench(shapes, device=device, dtype=dtype, methods=methods, warmup=args.warmup, reps=args.reps,
-                 zero_weight_frac=args.zero_weight_frac)
+                 zero_weight_frac=args.zero_weight_frac, budget_s=args.budget_s)
     print()
     print(markdown(rows))
     if args.out is not None:

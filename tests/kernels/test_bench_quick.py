@@ -20,3 +20,11 @@ def test_bench_quick_writes_csv(tmp_path, capsys):
         else:  # liger: measured when installed, otherwise a note says why not
             assert row["ms"] or row["note"], row
     assert "| ours |" in capsys.readouterr().out
+
+
+def test_bench_time_budget_lists_unstarted_shapes_as_skipped(tmp_path):
+    out = tmp_path / "kernels.csv"
+    assert bench_kernels.main(["--quick", "--budget-s", "0", "--methods", "ours,floor", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.read_text().splitlines()[1:]))
+    assert len(rows) == len(bench_kernels.QUICK_SHAPES) * 2
+    assert all(r["ms"] == "" and r["note"] == "skipped: time budget" for r in rows)

@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from benchmarks.harness import Shape, make_inputs, perturbed, rel_err
-from fastgrpo.kernels import linear_grpo_loss, linear_logprobs, reference_linear_logprobs
+from fastgrpo.kernels import (
+    linear_grpo_loss,
+    linear_logprobs,
+    reference_linear_grpo_loss,
+    reference_linear_logprobs,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -59,5 +64,70 @@ def test_peak_memory_has_no_tokens_by_vocab_buffer():
     extra = torch.cuda.max_memory_allocated() - base
     full_logits = shape.n * shape.v * 2
     # dx chunk (C x V bf16) + fp32 grad_weight + grads + O(N) vectors; far below one N x V bf16 tensor.
+    bound = chunk * shape.v * 2 + shape.v * shape.h * (4 + 2) + shape.n * shape.h * 2 + 64 * shape.n * 4 + (8 << 20)
+    assert extra < bound < full_logits / 2, (extra, bound, full_logits)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: f"{s.n}x{s.h}x{s.v}")
+@pytest.mark.parametrize("backend", ["cublas", "triton"])
+def test_grpo_loss_bf16_error_at_most_twice_torch_bf16(shape, backend):
+    inp = make_inputs(shape, dtype=torch.bfloat16, device="cuda", seed=14, zero_weight_frac=0.2)
+    args = [inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")]
+    h64, w64 = (x.detach().double().requires_grad_() for x in args[:2])
+    old = perturbed(reference_linear_logprobs(h64, w64, args[2]), std=0.3)
+    exact, _ = reference_linear_grpo_loss(h64, w64, *args[2:], old_logprobs=old.double())
+    exact_g = torch.autograd.grad(exact, (h64, w64))
+    ours, _ = linear_grpo_loss(*args, old_logprobs=old, backend=backend, chunk_size=128)
+    ours_g = torch.autograd.grad(ours, args[:2])
+    plain, _ = reference_linear_grpo_loss(*args, old_logprobs=old)
+    plain_g = torch.autograd.grad(plain, args[:2])
+    assert rel_err(ours, exact) <= 2 * rel_err(plain, exact) + 1e-6
+    for a, b, e in zip(ours_g, plain_g, exact_g):
+        assert rel_err(a, e) <= 2 * rel_err(b, e) + 1e-6
+
+
+def test_cublas_path_is_the_cuda_default_and_matches_torch_path_in_fp32():
+    from fastgrpo.kernels.grpo_loss import _loss_backend
+
+    shape = Shape(n=700, h=256, v=5000)
+    inp = make_inputs(shape, dtype=torch.float32, device="cuda", seed=15, zero_weight_frac=0.3)
+    args = [inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")]
+    assert _loss_backend("auto", *args[:2]) == "cublas"
+    with torch.no_grad():
+        assert _loss_backend("auto", *args[:2]) == "triton"
+    old = perturbed(reference_linear_logprobs(*args[:3]), std=0.3)
+    loss_a, _ = linear_grpo_loss(*args, old_logprobs=old, beta=0.05, ref_logprobs=old, chunk_size=300)
+    g_a = torch.autograd.grad(loss_a, args[:2])
+    loss_c, _ = linear_grpo_loss(*args, old_logprobs=old, beta=0.05, ref_logprobs=old, backend="torch")
+    g_c = torch.autograd.grad(loss_c, args[:2])
+    assert rel_err(loss_a, loss_c) < 1e-4
+    assert all(rel_err(a, b) < 1e-4 for a, b in zip(g_a, g_c))
+
+
+def test_cublas_fp32_grad_weight_accumulation_across_chunks():
+    # Many chunks: grad_weight accumulates over them in float32 (addmm out_dtype, or the Triton fallback),
+    # so its bf16 error stays that of one rounding, not one per chunk.
+    shape = Shape(n=2048, h=256, v=8192)
+    inp = make_inputs(shape, dtype=torch.bfloat16, device="cuda", seed=16)
+    args = [inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")]
+    h64, w64 = (x.detach().double().requires_grad_() for x in args[:2])
+    exact_g = torch.autograd.grad(reference_linear_grpo_loss(h64, w64, *args[2:])[0], (h64, w64))
+    one = torch.autograd.grad(linear_grpo_loss(*args, backend="cublas", chunk_size=4096)[0], args[:2])
+    many = torch.autograd.grad(linear_grpo_loss(*args, backend="cublas", chunk_size=64)[0], args[:2])
+    assert rel_err(many[1], exact_g[1]) <= 1.5 * rel_err(one[1], exact_g[1]) + 1e-6
+
+
+def test_cublas_peak_memory_is_one_buffer_plus_gradients():
+    shape = Shape(n=4096, h=256, v=65536)
+    inp = make_inputs(shape, dtype=torch.bfloat16, device="cuda", seed=17)
+    args = [inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")]
+    chunk = 256
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    linear_grpo_loss(*args, backend="cublas", chunk_size=chunk)[0].backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    full_logits = shape.n * shape.v * 2
     bound = chunk * shape.v * 2 + shape.v * shape.h * (4 + 2) + shape.n * shape.h * 2 + 64 * shape.n * 4 + (8 << 20)
     assert extra < bound < full_logits / 2, (extra, bound, full_logits)
