@@ -136,8 +136,10 @@ def kernel_specs(bf16_only: bool = False):
         # The "cublas" loss path's row kernels (memory-bound, no dot): one program per row / row slice.
         rows = dict(BLOCK_V=gf._ROW_BLOCK_V)
         row_launch = dict(num_warps=gf._ROW_WARPS, num_stages=1)
-        specs.append((gf._rowstats_kernel, {"x_ptr": dt, "tgt_ptr": "*i64"}, rows, row_launch, label))
+        specs.append((gf._rowstats_kernel, {"x_ptr": dt, "tgt_ptr": "*i64", "n_active_ptr": "*i32"}, rows,
+                      row_launch, label))
         specs.append((gf._softmax_grad_kernel, {"x_ptr": dt, "tgt_ptr": "*i64"}, rows, row_launch, label))
+        specs.append((gf._scale_kernel, {"x_ptr": dt}, dict(BLOCK=4096), row_launch, label))
     return specs
 
 

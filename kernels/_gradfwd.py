@@ -1,6 +1,6 @@
 """The ``"cublas"`` path of ``linear_grpo_loss``: gradient computed in forward, three large products in all.
 
-Shapes: N rows (tokens), H hidden, V vocabulary, K selected rows (token weight != 0), C rows per chunk.
+Shapes: N rows (tokens), H hidden, V vocabulary, C rows per chunk.
 Notation: ``x = hidden @ weight.T`` (raw logits), ``z = x / T`` (T = temperature), ``p = softmax(z)``.
 
 Why a second design next to ``_triton.py``? The loss is a scalar, and every per-token quantity its gradient
@@ -9,14 +9,15 @@ log-sum-exp is known, the gradient of the loss with respect to that chunk's logi
 are never needed again: backward does not recompute them. That is three ``N x V x H`` products, the floor,
 against four for the recompute path.
 
-Per chunk of C selected rows, with one ``[C, V]`` buffer in the inputs' dtype (at most ``_BUFFER_BYTES``):
-  1. ``x = hidden[rows] @ weight.T``                   cuBLAS, written into the buffer          (product 1)
+Per chunk of C rows, with one ``[C, V]`` buffer in the inputs' dtype (at most ``_BUFFER_BYTES``):
+  1. ``x = hidden[rows] @ weight.T``                    cuBLAS, written into the buffer          (product 1)
   2. ``_rowstats_kernel``: lse, logp, entropy           Triton, reads the buffer once
   3. ``g = token_weight * dl/dlogp``                    ``[C]`` vector ops, ``grpo_logp_grad`` (closed form)
   4. ``_softmax_grad_kernel``: ``x <- g (onehot - p) / T``  Triton, in place
   5. ``grad_hidden[rows] = x @ weight``                 cuBLAS                                   (product 2)
   6. ``grad_weight += x.T @ hidden[rows]``              cuBLAS, one float32 ``[V, H]`` buffer    (product 3)
-Backward only scales the stored gradients by the loss's upstream gradient (nothing when it is 1, the usual case).
+Backward only scales the stored gradients by the loss's upstream gradient, in place, with a kernel that returns
+at once when it is 1 (``loss.backward()``): no host sync in either direction.
 
 Numerics: the buffer holds the logits in the inputs' dtype, exactly what ``model(...).logits`` gives and what
 the bf16 torch reference (TRL) computes; the statistics and the softmax gradient are formed in float32 from it;
@@ -26,12 +27,13 @@ read-modify-write kernel of ``_triton.py``), so rounding to the weight's dtype h
 
 Costs against the recompute path, estimated, not measured here: one large product fewer; about 6 extra bytes of
 traffic per logit (the buffer is written once by cuBLAS, read twice, written once), a few per cent of a product
-at H >= 2048 on an H100; one ``[C, V]`` buffer; and one host sync per call to learn K (cuBLAS needs the row count
-on the host). The stored gradients live from forward to backward, which in a training step is the time it
-takes to start the backward pass.
+at H >= 2048 on an H100; one ``[C, V]`` buffer; and the stored gradients live from forward to backward, which in
+a training step is the time it takes to start the backward pass.
 
-Zero rows: rows with token weight 0 never enter a product. Rows whose gradient coefficient is 0 (advantage 0
-with beta 0) still do (their coefficient is only known after product 1); their ``dx`` rows are zeros.
+Zero-weight rows: their count stays on the device (no host sync), and cuBLAS needs row counts on the host, so
+such rows still pass through the three products; the row kernels skip them (no softmax work) and their ``dx``
+rows are zero, so they add nothing. The recompute path (``backend="triton"``) skips them entirely: prefer it
+when a large share of the rows has weight 0 (e.g. prompt positions passed with weight 0).
 """
 
 from __future__ import annotations
@@ -52,10 +54,16 @@ _ROW_WARPS = 8
 
 
 @triton.jit
-def _rowstats_kernel(x_ptr, tgt_ptr, lse_ptr, logp_ptr, ent_ptr, V, stride_x, inv_temp,
+def _rowstats_kernel(x_ptr, tgt_ptr, n_active_ptr, lse_ptr, logp_ptr, ent_ptr, row_start, V, stride_x, inv_temp,
                      BLOCK_V: tl.constexpr):
     # One program per row of the [C, V] buffer: online log-sum-exp over BLOCK_V-wide slices, in float32.
+    # Rows at or past the selected count (token weight 0) get zeros and no softmax work.
     row = tl.program_id(0)
+    if row_start + row >= tl.load(n_active_ptr):
+        tl.store(lse_ptr + row, 0.0)
+        tl.store(logp_ptr + row, 0.0)
+        tl.store(ent_ptr + row, 0.0)
+        return
     base = x_ptr + row.to(tl.int64) * stride_x
     offs = tl.arange(0, BLOCK_V)
     m = tl.full((), float("-inf"), dtype=tl.float32)  # running max of z
@@ -97,6 +105,26 @@ def _softmax_grad_kernel(x_ptr, tgt_ptr, lse_ptr, g_ptr, V, stride_x, inv_temp, 
     tl.store(ptrs, dx.to(x_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _scale_kernel(x_ptr, s_ptr, numel, BLOCK: tl.constexpr):
+    # x *= s in place, unless s == 1 (loss.backward()'s upstream gradient): then every program returns at once,
+    # so the common case costs one launch and no host sync.
+    s = tl.load(s_ptr)
+    if s == 1.0:
+        return
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(x_ptr + offs, (x.to(tl.float32) * s).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``x *= s`` (``s`` a 0-d float32 device tensor) without a host sync; free when ``s == 1``."""
+    block = 64 if INTERPRET else 4096
+    _scale_kernel[(triton.cdiv(x.numel(), block),)](x, s.float().reshape(1), x.numel(), BLOCK=block, num_warps=8)
+    return x
+
+
 # --------------------------------------------------------------------------------------------------- maths
 
 
@@ -124,7 +152,8 @@ def grpo_logp_grad(logp, advantages, token_weights, *, old_logprobs, ref_logprob
     g = -d_min
     if beta != 0.0:
         g = g + beta * (1.0 - torch.exp(ref_logprobs.float() - logp))  # d k3 / d logp
-    return g * token_weights.float()
+    w = token_weights.float()
+    return torch.where(w != 0, g * w, 0.0)  # a skipped row's logp is a placeholder: never let inf * 0 through
 
 
 # ------------------------------------------------------------------------------------------------ products
@@ -174,10 +203,14 @@ def _accumulate_grad_weight(grad_weight, dx, h, *, first: bool) -> None:
 
 def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprobs, ref_logprobs, epsilon_low,
               epsilon_high, delta, beta, inv_temp, need_grad_hidden, need_grad_weight, chunk_size=None):
-    """Forward of the loss with its gradients.
+    """Forward of the loss with its gradients; no host sync.
 
     Returns ``(logp, entropy, grad_hidden, grad_weight)``: ``[N]`` float32 each (0 on rows with token weight 0),
     then the gradients of ``sum_n token_weights[n] * l_n`` (in the inputs' dtypes; None where not needed).
+
+    Rows are visited in a device-side order that puts the selected ones (token weight != 0) first. Their count
+    stays on the device, so the products run over all N rows, while the row kernels skip the unselected ones:
+    a zero-weight row costs its share of the three products but no softmax work, and its ``dx`` row is zero.
     """
     hidden, weight = hidden.contiguous(), weight.contiguous()
     n, h_dim = hidden.shape
@@ -188,52 +221,44 @@ def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprob
     entropy = torch.zeros(n, **f32)
     grad_hidden = torch.zeros_like(hidden) if need_grad_hidden else None
     grad_weight = torch.empty(weight.shape, **f32) if need_grad_weight else None
+    if n == 0:
+        return logp, entropy, grad_hidden, None if grad_weight is None else grad_weight.zero_().to(weight.dtype)
 
-    counted = token_weights != 0
-    selected = counted.nonzero().squeeze(1)  # [K]; the host sync: cuBLAS needs K on the host
-    k = selected.numel()
-    if k == 0:
-        if grad_weight is not None:
-            grad_weight.zero_()
-        return logp, entropy, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)
-    all_rows = k == n
+    order, n_active = _triton._compact(token_weights != 0, n, dev)  # [N] int32, selected rows first; [1]
+    order = order.long()
     if chunk_size is None:
         chunk_size = max(1, _BUFFER_BYTES // (vocab * hidden.element_size()))
     elif chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    chunk = min(chunk_size, k)
+    chunk = min(chunk_size, n)
     buf = torch.empty((chunk, vocab), dtype=hidden.dtype, device=dev)  # [C, V]
     need_grad = need_grad_hidden or need_grad_weight
     block_v = _ROW_BLOCK_V
 
-    for start in range(0, k, chunk):
-        stop = min(start + chunk, k)
-        c = stop - start
-        rows = slice(start, stop) if all_rows else selected[start:stop]  # [c]
-        h = hidden[rows]  # [c, H]; a view when every row is selected
-        tgt = targets[rows].contiguous()
+    for start in range(0, n, chunk):
+        idx = order[start:start + chunk]  # [c] rows of this chunk
+        c = idx.numel()
+        h = hidden.index_select(0, idx)  # [c, H]
+        tgt = targets.index_select(0, idx)
         x = buf[:c]
         torch.mm(h, weight.T, out=x)  # product 1: logits [c, V]
         lse_c, logp_c, ent_c = (torch.empty(c, **f32) for _ in range(3))
-        _rowstats_kernel[(c,)](x, tgt, lse_c, logp_c, ent_c, vocab, x.stride(0), inv_temp,
+        _rowstats_kernel[(c,)](x, tgt, n_active, lse_c, logp_c, ent_c, start, vocab, x.stride(0), inv_temp,
                                BLOCK_V=block_v, num_warps=_ROW_WARPS)
-        logp[rows] = logp_c
-        entropy[rows] = ent_c
+        logp.index_copy_(0, idx, logp_c)
+        entropy.index_copy_(0, idx, ent_c)
         if not need_grad:
             continue
         g_c = grpo_logp_grad(
-            logp_c, advantages[rows], token_weights[rows],
-            old_logprobs=None if old_logprobs is None else old_logprobs[rows],
-            ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
+            logp_c, advantages.index_select(0, idx), token_weights.index_select(0, idx),
+            old_logprobs=None if old_logprobs is None else old_logprobs.index_select(0, idx),
+            ref_logprobs=None if ref_logprobs is None else ref_logprobs.index_select(0, idx),
             epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
         ).contiguous()
         _softmax_grad_kernel[(c, triton.cdiv(vocab, block_v))](x, tgt, lse_c, g_c, vocab, x.stride(0), inv_temp,
                                                                 BLOCK_V=block_v, num_warps=_ROW_WARPS)
         if need_grad_hidden:
-            if all_rows:
-                torch.mm(x, weight, out=grad_hidden[rows])  # product 2
-            else:
-                grad_hidden.index_copy_(0, rows, x @ weight)
+            grad_hidden.index_copy_(0, idx, x @ weight)  # product 2
         if need_grad_weight:
             _accumulate_grad_weight(grad_weight, x, h, first=start == 0)  # product 3
     del buf

@@ -11,7 +11,8 @@ Per token (TRL's objective, so runs are comparable):
 
 Backends (``backend=``):
   ``"cublas"``  CUDA default when a gradient is needed (``_gradfwd.py``): the gradient is formed in forward, chunk
-               by chunk, from cuBLAS logits; three large products in all, the floor. One host sync per call.
+               by chunk, from cuBLAS logits; three large products in all, the floor. Zero-weight rows skip the
+               softmax work but not the products.
   ``"triton"``  the fused op of ``logprobs.py`` (online log-sum-exp in forward, logits recomputed in backward: four
                products, no host sync, no ``[C, V]`` buffer in forward); CUDA default without a gradient (old /
                reference log-probs, evaluation).
@@ -20,8 +21,8 @@ For ``"triton"`` and ``"torch"`` the token loss above is a handful of ``[N]`` ve
 hands to the fused op as ``g_logp[n] = token_weights[n] * dl_n/dlogp_n``; ``"cublas"`` uses the closed form of
 the same derivative (``_gradfwd.grpo_logp_grad``, tested against autograd).
 
-Zero-weight tokens: every backend skips them in forward (``token_weights != 0``; the Triton path selects rows on
-the device, without a host sync); their ``stats["logprobs"]`` entries are 0. The recompute backends also skip,
+Zero-weight tokens: every backend skips their softmax work in forward (``token_weights != 0``; the Triton paths
+select rows on the device, without a host sync); their ``stats["logprobs"]`` entries are 0. The recompute backends also skip,
 in backward, every row whose ``g_logp`` is 0 -- in particular tokens with advantage 0 when beta == 0 (whole
 groups with equal rewards), which are common in GRPO.
 """
@@ -181,6 +182,7 @@ class _GradInForwardLoss(torch.autograd.Function):
                                           **token_kw)
         loss = (token_weights.float() * per_token).sum()
         ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.used = False
         ctx.mark_non_differentiable(logp, entropy)
         return loss, logp, entropy
 
@@ -189,9 +191,13 @@ class _GradInForwardLoss(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         if g_loss is None:
             return (None,) * 9
-        # loss.backward() passes exactly 1: then the stored gradients are the answer (one sync to know it,
-        # cheaper than a pass over [V, H]).
-        if not bool(g_loss == 1):
-            grad_hidden = None if grad_hidden is None else grad_hidden * g_loss.to(grad_hidden.dtype)
-            grad_weight = None if grad_weight is None else grad_weight * g_loss.to(grad_weight.dtype)
+        if ctx.used:
+            raise RuntimeError("linear_grpo_loss(backend='cublas') computes its gradients once, in forward, and "
+                               "scales them in place: a second backward through it is not supported (use "
+                               "backend='triton' or 'torch' for retain_graph / double backward)")
+        ctx.used = True
+        # In place, no host sync; a no-op launch when g_loss == 1 (loss.backward()).
+        for grad in (grad_hidden, grad_weight):
+            if grad is not None:
+                _gradfwd.scale_(grad, g_loss)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None

@@ -131,3 +131,19 @@ def test_cublas_peak_memory_is_one_buffer_plus_gradients():
     full_logits = shape.n * shape.v * 2
     bound = chunk * shape.v * 2 + shape.v * shape.h * (4 + 2) + shape.n * shape.h * 2 + 64 * shape.n * 4 + (8 << 20)
     assert extra < bound < full_logits / 2, (extra, bound, full_logits)
+
+
+@pytest.mark.parametrize("backend", ["cublas", "triton"])
+def test_loss_forward_and_backward_make_no_host_sync(backend):
+    shape = Shape(n=1000, h=128, v=3000)
+    inp = make_inputs(shape, dtype=torch.bfloat16, device="cuda", seed=18, zero_weight_frac=0.2)
+    args = [inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")]
+    linear_grpo_loss(*args, backend=backend, chunk_size=256)[0].backward()  # warm-up: compile, capability probe
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, stats = linear_grpo_loss(*args, backend=backend, chunk_size=256)
+        (2.0 * loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss) and torch.isfinite(args[1].grad).all()

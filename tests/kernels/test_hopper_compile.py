@@ -28,7 +28,7 @@ def test_hopper_kernels_do_not_spill(reports):
 
 
 DOT_KERNELS = {"_fwd_kernel", "_dlogits_kernel", "_dhidden_kernel", "_dweight_kernel"}
-ROW_KERNELS = {"_rowstats_kernel", "_softmax_grad_kernel"}  # the "cublas" path's: no dot
+ROW_KERNELS = {"_rowstats_kernel", "_softmax_grad_kernel", "_scale_kernel"}  # the "cublas" path's: no dot
 
 
 def test_hopper_dots_use_wgmma(reports):
