@@ -8,11 +8,16 @@ Imports only torch (and Triton when available), so other trainers can vendor thi
                      ref_logprobs=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
                      temperature=1.0) -> (loss, stats)
 
-CUDA tensors run Triton kernels; other devices (or ``backend="torch"``) a chunked torch path with the same
-memory bound. ``reference`` holds the plain-torch oracles.
+Backends (``backend="auto"`` picks):
+  ``linear_grpo_loss`` on CUDA with a gradient to take: ``"cublas"`` (``_gradfwd.py``), the gradient formed in
+      forward from cuBLAS logits chunk by chunk, three large products in all;
+  other CUDA calls: ``"triton"`` (``_triton.py``), online log-sum-exp over vocabulary tiles, logits recomputed in
+      backward;
+  other devices: ``"torch"`` (``_chunked.py``), chunked plain torch with the same memory bound.
+``reference`` holds the plain-torch oracles.
 """
 
-from .grpo_loss import linear_grpo_loss
+from .grpo_loss import LOSS_BACKENDS, linear_grpo_loss
 from .logprobs import BACKENDS, linear_logprobs
 from .reference import reference_linear_grpo_loss, reference_linear_logprobs
 
@@ -22,4 +27,5 @@ __all__ = [
     "reference_linear_logprobs",
     "reference_linear_grpo_loss",
     "BACKENDS",
+    "LOSS_BACKENDS",
 ]
