@@ -36,6 +36,8 @@ step() { echo; echo "=== $*"; "$@" || { echo "!!! failed: $*"; status=1; }; }
 
 # 1. Correctness on the GPU: bf16 kernels vs fp64, memory bound, packing/attention backends (~1 min)
 step timeout 150 python3 -m pytest -q -x tests/kernels tests/test_packing.py tests/test_losses.py -p no:cacheprovider
+# 1b. Accuracy of every loss path vs float64, bf16 on the GPU (seconds)
+step timeout 60 python3 benchmarks/kernel_accuracy.py --n 4096 --h 1024 --v 32000 --chunk-size 1024
 # 2. Kernels: ours (cublas path) and ours_recompute (Triton) vs naive torch (TRL) vs Liger (if installed) vs the
 #    3-matmul floor (~4 min; shapes not started within the budget are listed as skipped, never guessed)
 step timeout 270 python3 benchmarks/bench_kernels.py --reps 3 --warmup 1 --budget-s 230 --out "$OUT_DIR/bench_kernels.csv"

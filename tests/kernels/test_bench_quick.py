@@ -28,3 +28,11 @@ def test_bench_time_budget_lists_unstarted_shapes_as_skipped(tmp_path):
     rows = list(csv.DictReader(out.read_text().splitlines()[1:]))
     assert len(rows) == len(bench_kernels.QUICK_SHAPES) * 2
     assert all(r["ms"] == "" and r["note"] == "skipped: time budget" for r in rows)
+
+
+def test_kernel_accuracy_table_runs(capsys):
+    from benchmarks import kernel_accuracy
+
+    assert kernel_accuracy.main(["--n", "40", "--h", "16", "--v", "100", "--chunk-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "| plain bf16 torch |" in out and "| torch |" in out
