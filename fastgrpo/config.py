@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,6 +175,10 @@ class GRPOConfig:
     """Policy updates per rollout batch (mu); > 1 uses stored old log-probs."""
     max_tokens_per_microbatch: int = 4096
     """Token budget of one packed micro-batch; gradients are accumulated across micro-batches."""
+    head_backend: str = "auto"
+    """lm_head + loss kernel path (fastgrpo.kernels): 'auto' (cublas on CUDA, torch on CPU); 'cublas' (gradient
+    formed in forward, three products, bf16 logits as in TRL); 'triton' (float32 logits recomputed in backward:
+    more precise, one product more); 'torch' (chunked, any device)."""
 
     def validate(self, p: str) -> None:
         _check(self.prompts_per_step >= 1, f"{p}.prompts_per_step", "must be >= 1")
@@ -190,6 +195,8 @@ class GRPOConfig:
                "must exceed 1 + epsilon_high")
         _check(self.num_iterations >= 1, f"{p}.num_iterations", "must be >= 1")
         _check(self.max_tokens_per_microbatch >= 1, f"{p}.max_tokens_per_microbatch", "must be >= 1")
+        _check(self.head_backend in ("auto", "cublas", "triton", "torch"), f"{p}.head_backend",
+               f"must be auto, cublas, triton or torch, got {self.head_backend!r}")
 
 
 @dataclass(kw_only=True)
@@ -322,6 +329,13 @@ class TrainConfig:
         _check(bool(self.name) and "/" not in self.name, "name", "must be a non-empty folder name")
         _check(self.max_steps >= 1, "max_steps", "must be >= 1")
         _check(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
+        if self.grpo.head_backend in ("cublas", "triton"):
+            import torch  # deferred: the config module loads without torch for --help-config
+
+            cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
+            interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
+            _check(not cpu or interpreted, "grpo.head_backend",
+                   f"{self.grpo.head_backend!r} runs Triton kernels and needs a CUDA device; use auto or torch on CPU")
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):

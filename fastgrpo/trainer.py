@@ -23,6 +23,7 @@ from fastgrpo.data import build_datasets, render_prompt
 from fastgrpo.data.sampler import PromptSampler
 from fastgrpo.episodes import Episodes, collect_episodes, record_metrics
 from fastgrpo.evaluate import evaluate
+from fastgrpo.kernels import BACKENDS as KERNEL_BACKENDS
 from fastgrpo.kernels import linear_grpo_loss, linear_logprobs
 from fastgrpo.losses import GlobalCounts, token_weights, truncated_importance_weights
 from fastgrpo.metrics import JsonlSink, drop_records_after, ProgressBar, StepMetrics, Timer, WandbSink, device_peak_flops, update_flops
@@ -52,6 +53,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, tota
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def resolve_head_backend(name: str, device: torch.device) -> str:
+    """The kernel path of the policy loss *and* of the old / reference log-probs: one numerics for both, so that
+    ``exp(logp - old)`` is exactly 1 while the policy has not moved. ``auto``: cublas on CUDA, torch elsewhere."""
+    if name != "auto":
+        return name
+    return "cublas" if device.type == "cuda" and "triton" in KERNEL_BACKENDS else "torch"
+
+
 class Trainer:
     """Composes the components from a TrainConfig and runs the loop. ``run()`` returns the last metrics."""
 
@@ -62,6 +71,7 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
+        self.head_backend = resolve_head_backend(cfg.grpo.head_backend, self.device)
 
         # Cheap checks first: data and rewards fail before any model loads.
         self.reward_funcs = load_reward_funcs(cfg.rewards.funcs)
@@ -199,7 +209,8 @@ class Trainer:
         for mb in mbs:
             # packed_forward runs trunk -> hidden [n, H] of completion positions -> fn(hidden, lm_head.weight)
             # inside FSDP's hooks, so sharded (and tied) weights are gathered for the head too.
-            lp = model.packed_forward(mb, lambda h, w: linear_logprobs(h, w, mb.targets, temperature=temperature))
+            lp = model.packed_forward(mb, lambda h, w: linear_logprobs(h, w, mb.targets, temperature=temperature,
+                                                                       backend=self.head_backend))
             out[mb.flat_index] = lp
         return out
 
@@ -238,7 +249,7 @@ class Trainer:
                         old_logprobs=None if old_lp is None else old_lp[i],
                         ref_logprobs=None if ref_lp is None else ref_lp[i],
                         epsilon_low=g.epsilon_low, epsilon_high=g.epsilon_high, delta=g.delta, beta=g.beta,
-                        temperature=self.cfg.rollout.temperature)
+                        temperature=self.cfg.rollout.temperature, backend=self.head_backend)
 
                 loss, stats = self.model.packed_forward(mb, head_loss)
                 loss.backward()

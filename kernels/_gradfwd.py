@@ -265,3 +265,17 @@ def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprob
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return logp, entropy, grad_hidden, grad_weight
+
+
+def logprobs_pass(hidden, weight, targets, *, inv_temp, chunk_size=None):
+    """``(logp, entropy)`` with the loss path's numerics (logits in the inputs' dtype from cuBLAS), no gradient.
+
+    For old / reference log-probs that must agree with what ``loss_pass`` computes for the same rows: a ratio
+    ``exp(logp - old)`` of two different numerics is not exactly 1 even when the policy has not moved.
+    """
+    n = hidden.shape[0]
+    ones = torch.ones(n, dtype=torch.float32, device=hidden.device)
+    logp, entropy, _, _ = loss_pass(hidden, weight, targets, ones, ones, old_logprobs=None, ref_logprobs=None,
+                                    epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, inv_temp=inv_temp,
+                                    need_grad_hidden=False, need_grad_weight=False, chunk_size=chunk_size)
+    return logp, entropy

@@ -34,9 +34,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     """``"auto"`` -> Triton on CUDA tensors when Triton imports, else the chunked torch path."""
     if backend == "auto":
         return "triton" if device.type == "cuda" and "triton" in BACKENDS else "torch"
-    if backend == "cublas":
-        raise ValueError("backend='cublas' forms the gradient in forward, which needs the scalar loss: it is a "
-                         f"linear_grpo_loss backend; here choose 'auto' or one of {sorted(BACKENDS)}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     if backend == "triton" and device.type != "cuda" and not _triton.INTERPRET:
@@ -117,12 +114,33 @@ def linear_logprobs(
         targets: ``[N]`` token ids.
         temperature: logits are divided by it (the sampler's temperature).
         return_entropy: also return the softmax entropy per row (differentiable).
-        backend: ``"auto"`` (Triton on CUDA, else chunked torch), ``"triton"`` or ``"torch"``.
+        backend: ``"auto"`` (Triton on CUDA, else chunked torch), ``"triton"``, ``"torch"``, or ``"cublas"``
+            (no gradient: the numerics of ``linear_grpo_loss(backend="cublas")``, for its old / ref log-probs).
         chunk_size: rows per chunk (torch backend: forward and backward; Triton: backward ``dx`` buffer).
 
     Returns:
         ``logp [N]`` float32, or ``(logp, entropy)`` each ``[N]`` float32; differentiable w.r.t. hidden and weight.
     """
-    logp, entropy = fused_logprobs(hidden, weight, targets, temperature=temperature, with_entropy=return_entropy,
-                                   backend=backend, chunk_size=chunk_size)
+    if backend == "cublas":
+        logp, entropy = _cublas_logprobs(hidden, weight, targets, temperature, chunk_size)
+    else:
+        logp, entropy = fused_logprobs(hidden, weight, targets, temperature=temperature,
+                                       with_entropy=return_entropy, backend=backend, chunk_size=chunk_size)
     return (logp, entropy) if return_entropy else logp
+
+
+def _cublas_logprobs(hidden, weight, targets, temperature, chunk_size):
+    """Forward-only log-probs with the numerics of ``linear_grpo_loss(backend="cublas")`` (see ``_gradfwd``)."""
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        raise ValueError("linear_logprobs(backend='cublas') has no backward (that path forms the gradient of the "
+                         "GRPO loss in forward): call it under torch.no_grad() for old / reference log-probs, or "
+                         f"pick 'auto' or one of {sorted(BACKENDS)} for a differentiable result")
+    check_inputs(hidden, weight, targets, temperature)
+    try:
+        from . import _gradfwd
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ValueError("backend='cublas' needs Triton (pip install triton) for its row kernels") from None
+    if hidden.device.type != "cuda" and not _gradfwd.INTERPRET:
+        raise ValueError("backend='cublas' needs CUDA tensors (or TRITON_INTERPRET=1 set before import)")
+    return _gradfwd.logprobs_pass(hidden, weight, targets, inv_temp=1.0 / float(temperature),
+                                  chunk_size=chunk_size)

@@ -122,3 +122,22 @@ def test_yaml_errors_are_config_errors(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config("configs/tiny.yaml", ["optim.lr=["])
+
+
+def test_head_backend_is_checked_before_anything_loads():
+    with pytest.raises(ConfigError, match="grpo.head_backend.*auto, cublas, triton or torch"):
+        load_config("configs/tiny.yaml", ["grpo.head_backend=fast"])
+    with pytest.raises(ConfigError, match="grpo.head_backend.*needs a CUDA device"):
+        load_config("configs/tiny.yaml", ["grpo.head_backend=cublas", "device=cpu"])
+    assert load_config("configs/tiny.yaml", ["grpo.head_backend=torch"]).grpo.head_backend == "torch"
+
+
+def test_head_backend_auto_resolves_per_device():
+    import torch
+
+    from fastgrpo.trainer import resolve_head_backend
+
+    assert resolve_head_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_head_backend("triton", torch.device("cuda")) == "triton"
+    expected = "cublas" if __import__("importlib").util.find_spec("triton") else "torch"
+    assert resolve_head_backend("auto", torch.device("cuda")) == expected

@@ -147,3 +147,51 @@ def test_cublas_second_backward_is_refused_clearly():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         loss.backward()
+
+
+def test_cublas_logprobs_forward_matches_the_loss_path_and_has_no_backward():
+    from fastgrpo.kernels import linear_logprobs
+
+    inp = make_inputs(SHAPE, dtype=torch.bfloat16, seed=12)
+    h, w, t = inp["hidden"], inp["weight"], inp["targets"]
+    ones = torch.ones(SHAPE.n)
+    with torch.no_grad():
+        lp, ent = linear_logprobs(h, w, t, backend="cublas", return_entropy=True, temperature=0.8, chunk_size=16)
+        _, stats = linear_grpo_loss(h, w, t, inp["advantages"], ones, backend="cublas", return_entropy=True,
+                                    temperature=0.8, chunk_size=16)
+    # Same numerics as the loss path: exp(logp - old) is exactly 1 before the policy moves.
+    assert torch.equal(lp, stats["logprobs"]) and torch.equal(ent, stats["entropy"])
+    plain = reference_linear_logprobs(h.detach(), w.detach(), t, temperature=0.8)  # bf16 logits, fp32 after
+    assert rel_err(lp, plain) < 1e-5
+    with pytest.raises(ValueError, match="no backward"):
+        linear_logprobs(h, w, t, backend="cublas")
+
+
+def test_trainer_update_on_the_cublas_path_equals_the_torch_path(tmp_path, monkeypatch):
+    # The trainer wiring: grpo.head_backend reaches the loss and the reference log-probs (beta > 0). At step 1 the
+    # policy equals the reference, and one numerics for both passes makes the KL exactly 0.
+    from fastgrpo import trainer as trainer_mod
+    from fastgrpo.config import load_config
+    from fastgrpo.trainer import Trainer
+
+    seen = []
+    for fn in ("linear_grpo_loss", "linear_logprobs"):
+        real = getattr(trainer_mod, fn)
+        monkeypatch.setattr(trainer_mod, fn, lambda *a, _real=real, _fn=fn, **k: (seen.append((_fn, k["backend"])),
+                                                                                 _real(*a, **k))[1])
+    toy = ["data.source=toy", "rewards.funcs=[toy_digit]", "model.name_or_path=tiny", "device=cpu",
+           "rollout.max_completion_length=4", "grpo.prompts_per_step=4", "grpo.num_generations=4",
+           "data.system_prompt=''", "eval.every=-1", "log.progress=false", "checkpoint.export_hf=false",
+           "max_steps=1", "grpo.beta=0.05", "grpo.loss_type=grpo", f"output_dir={tmp_path}"]
+    grads = {}
+    for backend in ("torch", "cublas"):
+        trainer = Trainer(load_config(None, toy + [f"name={backend}", f"grpo.head_backend={backend}"]))
+        assert trainer.head_backend == backend
+        record = trainer.run()
+        assert record["policy/kl_mean"] == 0.0
+        assert {b for _, b in seen} == {backend} and {f for f, _ in seen} == {"linear_grpo_loss", "linear_logprobs"}
+        seen.clear()
+        grads[backend] = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    assert grads["torch"].keys() == grads["cublas"].keys() and grads["torch"]
+    for name, g in grads["torch"].items():
+        torch.testing.assert_close(grads["cublas"][name], g, rtol=1e-4, atol=1e-7, msg=name)
