@@ -104,7 +104,8 @@ def _apply_fsdp(model: nn.Module, blocks: nn.ModuleList, cfg: ParallelConfig, de
         param_dtype=_DTYPES[cfg.param_dtype] if on_cuda else torch.float32,
         reduce_dtype=_DTYPES[cfg.reduce_dtype] if on_cuda else torch.float32,
     )
-    offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+    # Pinned host memory makes the host-device copies asynchronous; it needs an accelerator to exist.
+    offload = CPUOffloadPolicy(pin_memory=on_cuda) if cfg.cpu_offload else OffloadPolicy()
     mesh = init_device_mesh(device.type, (world_size,))
     last = len(blocks) - 1
     for i, block in enumerate(blocks):

@@ -89,6 +89,8 @@ SCENARIOS = {
     "activation_checkpointing": (ParallelConfig(activation_checkpointing=True), "balanced"),
     # Rank 1 gets one sequence, so it must pad with dummy micro-batches to match rank 0's count.
     "dummy_microbatches": (ParallelConfig(), "one_on_last_rank"),
+    # FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer step on the host.
+    "cpu_offload": (ParallelConfig(cpu_offload=True), "balanced"),
 }
 """Run back to back in the same two processes: process start-up (importing torch) dominates the test time."""
 
@@ -126,6 +128,7 @@ def run_scenario(cfg: ParallelConfig, how: str, info: fdist.DistInfo) -> dict:
         "grads": grads, "params": params, "tied_after_shard": tied_after_shard,
         "tied_after_step": model.lm_head.weight is model.model.embed_tokens.weight,
         "param_type": type(model.model.embed_tokens.weight).__name__,
+        "offload_policy": type(model._get_fsdp_state()._fsdp_param_group.offload_policy).__name__,
         "counts": [c.tolist() for c in gathered],
     }
 

@@ -50,6 +50,7 @@ def test_fsdp_two_ranks_match_single_process(oracle, two_ranks, scenario):
     got = two_ranks[scenario]
     grads, params = oracle
     assert got["param_type"] == "DTensor"  # really sharded
+    assert got["offload_policy"] == ("CPUOffloadPolicy" if scenario == "cpu_offload" else "OffloadPolicy")
     assert got["tied_after_shard"] and got["tied_after_step"]
     own, run = zip(*got["counts"])
     assert len(set(run)) == 1 and run[0] == max(own)  # every rank ran the same number of micro-batches
