@@ -15,15 +15,17 @@ Per chunk of C rows, with one ``[C, V]`` buffer in the inputs' dtype (at most ``
   3. ``g = token_weight * dl/dlogp``                    ``[C]`` vector ops, ``grpo_logp_grad`` (closed form)
   4. ``_softmax_grad_kernel``: ``x <- g (onehot - p) / T``  Triton, in place
   5. ``grad_hidden[rows] = x @ weight``                 cuBLAS                                   (product 2)
-  6. ``grad_weight += x.T @ hidden[rows]``              cuBLAS, one float32 ``[V, H]`` buffer    (product 3)
+  6. ``grad_weight += x.T @ hidden[rows]``              cuBLAS, into the gradient itself          (product 3)
 Backward only scales the stored gradients by the loss's upstream gradient, in place, with a kernel that returns
 at once when it is 1 (``loss.backward()``): no host sync in either direction.
 
 Numerics: the buffer holds the logits in the inputs' dtype, exactly what ``model(...).logits`` gives and what
 the bf16 torch reference (TRL) computes; the statistics and the softmax gradient are formed in float32 from it;
-the gradient products accumulate in float32 inside cuBLAS; ``grad_weight`` accumulates over chunks in float32
-(``addmm`` with ``out_dtype=float32`` where this torch has it for 16-bit inputs, else the Triton
-read-modify-write kernel of ``_triton.py``), so rounding to the weight's dtype happens once.
+the gradient products accumulate in float32 inside cuBLAS. ``grad_weight`` is summed over chunks in the weight's
+own dtype (``addmm_``: one rounding per chunk), not in a float32 ``[V, H]`` buffer: that buffer would be the
+largest extra allocation of the op (2 GB for Qwen2.5-3B's head), and on this path its precision is wasted,
+because the error of bf16 logits is several times that of the per-chunk roundings (measured in
+benchmarks/RESULTS.md). Extra memory is therefore one ``[C, V]`` buffer plus ``[N]`` vectors.
 
 Costs against the recompute path, estimated, not measured here: one large product fewer; about 6 extra bytes of
 traffic per logit (the buffer is written once by cuBLAS, read twice, written once), a few per cent of a product
@@ -38,8 +40,6 @@ when a large share of the rows has weight 0 (e.g. prompt positions passed with w
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -48,7 +48,7 @@ from . import _triton
 
 INTERPRET = _triton.INTERPRET
 
-_BUFFER_BYTES = 512 << 20  # the [C, V] logits / dlogits buffer
+_BUFFER_BYTES = 768 << 20  # the [C, V] logits / dlogits buffer: fewer chunks, fewer grad_weight roundings
 _ROW_BLOCK_V = 32 if INTERPRET else 4096
 _ROW_WARPS = 8
 
@@ -159,46 +159,14 @@ def grpo_logp_grad(logp, advantages, token_weights, *, old_logprobs, ref_logprob
 # ------------------------------------------------------------------------------------------------ products
 
 
-@functools.lru_cache(maxsize=None)
-def _addmm_fp32_out_supported(device_type: str, index: int | None) -> bool:
-    """Does this torch accumulate a 16-bit product into a float32 matrix in place (cuBLAS, beta=1)?"""
-    if device_type != "cuda":
-        return False
-    device = torch.device(device_type, index)
-    try:
-        a = torch.randn(16, 8, device=device).to(torch.bfloat16)
-        b = torch.randn(8, 16, device=device).to(torch.bfloat16)
-        acc = torch.randn(16, 16, device=device)
-        expected = acc + a.float() @ b.float()
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        return bool(torch.allclose(acc, expected, rtol=1e-3, atol=1e-3))
-    except (RuntimeError, TypeError):
-        return False
-
-
 def _accumulate_grad_weight(grad_weight, dx, h, *, first: bool) -> None:
-    """``grad_weight (+)= dx.T @ h`` into the float32 ``[V, H]`` buffer (``dx [c, V]``, ``h [c, H]``)."""
-    if dx.dtype == torch.float32:
-        if first:
-            torch.mm(dx.T, h, out=grad_weight)
-        else:
-            grad_weight.addmm_(dx.T, h)
-        return
-    if _addmm_fp32_out_supported(dx.device.type, dx.device.index):
-        torch.addmm(grad_weight, dx.T, h, beta=0 if first else 1, out_dtype=torch.float32, out=grad_weight)
-        return
+    """``grad_weight (+)= dx.T @ h`` in the weight's dtype (``dx [c, V]``, ``h [c, H]``): cuBLAS sums each chunk's
+    product in float32 and adds it to the running sum, rounding once per chunk (see the module docstring for why
+    not a float32 buffer)."""
     if first:
-        grad_weight.zero_()
-    # Triton read-modify-write (float32 tile accumulator, no atomics), shared with the recompute path.
-    c, vocab, h_dim = dx.shape[0], dx.shape[1], h.shape[1]
-    cfg = _triton._blocks(dx.dtype, None)
-    rows = torch.arange(c, dtype=torch.int32, device=dx.device)
-    count = torch.full((1,), c, dtype=torch.int32, device=dx.device)
-    _triton._dweight_kernel[(triton.cdiv(vocab, cfg["BLOCK_V"]), triton.cdiv(h_dim, cfg["BLOCK_H"]))](
-        dx, h, rows, count, grad_weight, 0, c, vocab, h_dim, dx.stride(0), h.stride(0), grad_weight.stride(0),
-        UPCAST=INTERPRET, PRECISION=_triton._precision(dx.dtype),
-        **_triton._launch_kw(cfg, "BLOCK_V", "BLOCK_H", "BLOCK_K"),
-    )
+        torch.mm(dx.T, h, out=grad_weight)
+    else:
+        grad_weight.addmm_(dx.T, h)
 
 
 def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprobs, ref_logprobs, epsilon_low,
@@ -220,9 +188,9 @@ def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprob
     logp = torch.zeros(n, **f32)
     entropy = torch.zeros(n, **f32)
     grad_hidden = torch.zeros_like(hidden) if need_grad_hidden else None
-    grad_weight = torch.empty(weight.shape, **f32) if need_grad_weight else None
+    grad_weight = torch.empty_like(weight) if need_grad_weight else None
     if n == 0:
-        return logp, entropy, grad_hidden, None if grad_weight is None else grad_weight.zero_().to(weight.dtype)
+        return logp, entropy, grad_hidden, None if grad_weight is None else grad_weight.zero_()
 
     order, n_active = _triton._compact(token_weights != 0, n, dev)  # [N] int32, selected rows first; [1]
     order = order.long()
@@ -262,8 +230,6 @@ def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprob
         if need_grad_weight:
             _accumulate_grad_weight(grad_weight, x, h, first=start == 0)  # product 3
     del buf
-    if grad_weight is not None:
-        grad_weight = grad_weight.to(weight.dtype)
     return logp, entropy, grad_hidden, grad_weight
 
 

@@ -104,20 +104,21 @@ def test_cublas_path_is_the_cuda_default_and_matches_torch_path_in_fp32():
     assert all(rel_err(a, b) < 1e-4 for a, b in zip(g_a, g_c))
 
 
-def test_cublas_fp32_grad_weight_accumulation_across_chunks():
-    # Many chunks: grad_weight accumulates over them in float32 (addmm out_dtype, or the Triton fallback),
-    # so its bf16 error stays that of one rounding, not one per chunk.
+def test_cublas_grad_weight_summed_over_many_chunks_stays_within_the_bf16_criterion():
+    # grad_weight is summed over chunks in bf16 (one rounding per chunk, no float32 [V, H] buffer): with 32
+    # chunks its error must still be at most 2x that of the plain bf16 torch computation.
     shape = Shape(n=2048, h=256, v=8192)
     inp = make_inputs(shape, dtype=torch.bfloat16, device="cuda", seed=16)
     args = [inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")]
     h64, w64 = (x.detach().double().requires_grad_() for x in args[:2])
     exact_g = torch.autograd.grad(reference_linear_grpo_loss(h64, w64, *args[2:])[0], (h64, w64))
-    one = torch.autograd.grad(linear_grpo_loss(*args, backend="cublas", chunk_size=4096)[0], args[:2])
+    plain_g = torch.autograd.grad(reference_linear_grpo_loss(*args)[0], args[:2])
     many = torch.autograd.grad(linear_grpo_loss(*args, backend="cublas", chunk_size=64)[0], args[:2])
-    assert rel_err(many[1], exact_g[1]) <= 1.5 * rel_err(one[1], exact_g[1]) + 1e-6
+    assert rel_err(many[1], exact_g[1]) <= 2 * rel_err(plain_g[1], exact_g[1]) + 1e-6
 
 
 def test_cublas_peak_memory_is_one_buffer_plus_gradients():
+    # The "extra memory": above the inputs and the two gradients, only the [C, V] buffer and vectors.
     shape = Shape(n=4096, h=256, v=65536)
     inp = make_inputs(shape, dtype=torch.bfloat16, device="cuda", seed=17)
     args = [inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")]
@@ -129,7 +130,8 @@ def test_cublas_peak_memory_is_one_buffer_plus_gradients():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     full_logits = shape.n * shape.v * 2
-    bound = chunk * shape.v * 2 + shape.v * shape.h * (4 + 2) + shape.n * shape.h * 2 + 64 * shape.n * 4 + (8 << 20)
+    grads = (shape.v + shape.n) * shape.h * 2
+    bound = grads + chunk * shape.v * 2 + 64 * shape.n * 4 + (4 << 20)
     assert extra < bound < full_logits / 2, (extra, bound, full_logits)
 
 
