@@ -54,9 +54,9 @@ def _fresh_logprobs(model, prompt, completion, temperature):
     return logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1), logits
 
 
-def test_generate_returns_n_completions_per_prompt(qwen):
+def test_generate_returns_n_completions_per_prompt(qwen, rng):
     model, tok = qwen
-    prompts = _prompts(tok, 3, random.Random())
+    prompts = _prompts(tok, 3, rng)
     out = HFEngine(model, tok, batch_size=4).generate(prompts, 5, SamplingParams(max_tokens=6, seed=0))
     assert [len(row) for row in out] == [5, 5, 5]
     for c in (c for row in out for c in row):
@@ -64,12 +64,12 @@ def test_generate_returns_n_completions_per_prompt(qwen):
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
 
 
-def test_eos_is_kept_padding_stripped_and_finish_reasons_set(qwen):
+def test_eos_is_kept_padding_stripped_and_finish_reasons_set(qwen, rng):
     model, tok = qwen
     engine = HFEngine(model, tok)
     eos = tok.convert_tokens_to_ids(EOS_TOKEN)
     assert eos in engine.eos_ids and tok.pad_token_id in engine.eos_ids  # <|endoftext|> also ends a completion
-    rng = random.Random()
+    rng = rng
     # A random tied model greedily repeats its last token: a prompt ending in EOS stops at once, the others
     # run to max_tokens, in the same batch.
     prompts = _prompts(tok, 4, rng)
@@ -85,10 +85,10 @@ def test_eos_is_kept_padding_stripped_and_finish_reasons_set(qwen):
         assert len(c.logprobs) == len(c.token_ids)
 
 
-def test_sampled_completions_end_exactly_at_their_first_eos(qwen):
+def test_sampled_completions_end_exactly_at_their_first_eos(qwen, rng):
     model, tok = qwen
     engine = HFEngine(model, tok, batch_size=32)
-    out = engine.generate(_prompts(tok, 8, random.Random()), 8, SamplingParams(max_tokens=24, seed=3))
+    out = engine.generate(_prompts(tok, 8, rng), 8, SamplingParams(max_tokens=24, seed=3))
     reasons = set()
     for c in (c for row in out for c in row):
         is_eos = [t in engine.eos_ids for t in c.token_ids]
@@ -99,10 +99,10 @@ def test_sampled_completions_end_exactly_at_their_first_eos(qwen):
     assert reasons == {"stop", "length"}  # ~2/263 EOS chance per token: 64 x 24 tokens see both
 
 
-def test_same_seed_same_completions_other_seed_other_and_global_rng_untouched(qwen):
+def test_same_seed_same_completions_other_seed_other_and_global_rng_untouched(qwen, rng):
     model, tok = qwen
     engine = HFEngine(model, tok)
-    prompts = _prompts(tok, 3, random.Random())
+    prompts = _prompts(tok, 3, rng)
 
     def run(seed):
         out = engine.generate(prompts, 4, SamplingParams(max_tokens=10, seed=seed, logprobs=True))
@@ -117,10 +117,10 @@ def test_same_seed_same_completions_other_seed_other_and_global_rng_untouched(qw
     assert run(12) != first
 
 
-def test_padded_batch_greedy_equals_each_prompt_alone(llama):
+def test_padded_batch_greedy_equals_each_prompt_alone(llama, rng):
     model, tok = llama
     engine = HFEngine(model, tok, batch_size=64)
-    prompts = _prompts(tok, 5, random.Random(), lo=1, hi=30)
+    prompts = _prompts(tok, 5, rng, lo=1, hi=30)
     params = SamplingParams(max_tokens=12, temperature=0)
     batched = [row[0].token_ids for row in engine.generate(prompts, 1, params)]
     assert len({tuple(b) for b in batched}) > 1  # the untied model does not just echo: the check has teeth
@@ -133,9 +133,9 @@ def test_padded_batch_greedy_equals_each_prompt_alone(llama):
             assert (top2[0] - top2[1]).abs() < 1e-5, f"padding changed greedy step {step}"
 
 
-def test_chunking_does_not_change_greedy_output(llama):
+def test_chunking_does_not_change_greedy_output(llama, rng):
     model, tok = llama
-    prompts = _prompts(tok, 5, random.Random())
+    prompts = _prompts(tok, 5, rng)
     params = SamplingParams(max_tokens=8, temperature=0)
     one_chunk = HFEngine(model, tok, batch_size=64).generate(prompts, 2, params)
     small_chunks = HFEngine(model, tok, batch_size=3).generate(prompts, 2, params)
@@ -143,9 +143,9 @@ def test_chunking_does_not_change_greedy_output(llama):
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5), (0.0, 1.0)])
-def test_sampler_logprobs_match_a_fresh_forward(llama, temperature, top_p):
+def test_sampler_logprobs_match_a_fresh_forward(llama, temperature, top_p, rng):
     model, tok = llama
-    prompts = _prompts(tok, 3, random.Random())
+    prompts = _prompts(tok, 3, rng)
     params = SamplingParams(max_tokens=10, temperature=temperature, top_p=top_p, seed=5, logprobs=True)
     out = HFEngine(model, tok, batch_size=4).generate(prompts, 2, params)
     for prompt, row in zip(prompts, out):
@@ -155,9 +155,9 @@ def test_sampler_logprobs_match_a_fresh_forward(llama, temperature, top_p):
             torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=2e-5, rtol=1e-5)
 
 
-def test_top_p_samples_only_from_the_nucleus(llama):
+def test_top_p_samples_only_from_the_nucleus(llama, rng):
     model, tok = llama
-    prompts = _prompts(tok, 4, random.Random())
+    prompts = _prompts(tok, 4, rng)
     top_p = 0.3
     out = HFEngine(model, tok).generate(prompts, 4, SamplingParams(max_tokens=8, top_p=top_p, seed=1))
     for prompt, row in zip(prompts, out):
@@ -169,38 +169,38 @@ def test_top_p_samples_only_from_the_nucleus(llama):
             assert (mass_above < top_p + 1e-6).all()
 
 
-def test_tiny_top_p_is_greedy(llama):
+def test_tiny_top_p_is_greedy(llama, rng):
     model, tok = llama
-    prompts = _prompts(tok, 3, random.Random())
+    prompts = _prompts(tok, 3, rng)
     engine = HFEngine(model, tok)
     greedy = engine.generate(prompts, 1, SamplingParams(max_tokens=8, temperature=0))
     nucleus = engine.generate(prompts, 1, SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-6, seed=9))
     assert [r[0].token_ids for r in greedy] == [r[0].token_ids for r in nucleus]
 
 
-def test_generation_runs_in_eval_mode_without_grad_and_restores_mode(llama):
+def test_generation_runs_in_eval_mode_without_grad_and_restores_mode(llama, rng):
     model, tok = llama
     seen = []
     hook = model.model.layers[0].register_forward_hook(
         lambda mod, args, out: seen.append((mod.training, torch.is_grad_enabled())))
     model.train()
     try:
-        HFEngine(model, tok).generate(_prompts(tok, 2, random.Random()), 1, SamplingParams(max_tokens=3, seed=0))
+        HFEngine(model, tok).generate(_prompts(tok, 2, rng), 1, SamplingParams(max_tokens=3, seed=0))
         assert model.training
         model.eval()
-        HFEngine(model, tok).generate(_prompts(tok, 1, random.Random()), 1, SamplingParams(max_tokens=2, seed=0))
+        HFEngine(model, tok).generate(_prompts(tok, 1, rng), 1, SamplingParams(max_tokens=2, seed=0))
         assert not model.training
     finally:
         hook.remove()
     assert seen and all(s == (False, False) for s in seen)
 
 
-def test_update_weights_loads_another_models_tensors(tiny_cache):
+def test_update_weights_loads_another_models_tensors(tiny_cache, rng):
     model, tok = _load(tiny_cache, "llama", seed=0)
     other, _ = _load(tiny_cache, "llama", seed=1)
     engine = HFEngine(model, tok)
     params = SamplingParams(max_tokens=8, temperature=0)
-    prompts = _prompts(tok, 3, random.Random())
+    prompts = _prompts(tok, 3, rng)
     engine.update_weights(model.named_parameters())  # the live weights themselves: a no-op
     engine.update_weights(other.named_parameters())
     for (name, a), b in zip(model.named_parameters(), other.parameters()):

@@ -89,8 +89,8 @@ def max_logprob_gap(model, prompts, completions, temperature: float) -> float:
 
 
 @needs_vllm
-def test_generation_is_seeded_and_well_formed(engine, tokenizer):
-    rng = random.Random()
+def test_generation_is_seeded_and_well_formed(engine, tokenizer, rng):
+    rng = rng
     prompts = random_prompts(rng, 3)
     seed = rng.randrange(1 << 30)
     sp = SamplingParams(max_tokens=12, temperature=1.0, seed=seed)
@@ -113,16 +113,16 @@ def test_generation_is_seeded_and_well_formed(engine, tokenizer):
 
 @needs_vllm
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
-def test_sampler_logprobs_equal_trainer_logprobs(engine, policy, temperature):
-    prompts = random_prompts(random.Random(), 2)
+def test_sampler_logprobs_equal_trainer_logprobs(engine, policy, temperature, rng):
+    prompts = random_prompts(rng, 2)
     out = engine.generate(prompts, 3, SamplingParams(max_tokens=10, temperature=temperature, logprobs=True))
     assert all(len(c.logprobs) == len(c.token_ids) for row in out for c in row)
     assert max_logprob_gap(policy, prompts, out, temperature) < TOL
 
 
 @needs_vllm
-def test_greedy_agrees_with_transformers_engine(engine, policy, tokenizer):
-    prompts = random_prompts(random.Random(), 3)
+def test_greedy_agrees_with_transformers_engine(engine, policy, tokenizer, rng):
+    prompts = random_prompts(rng, 3)
     sp = SamplingParams(max_tokens=10, temperature=0.0)
     ours = engine.generate(prompts, 1, sp)
     try:
@@ -154,7 +154,7 @@ def test_greedy_agrees_with_transformers_engine(engine, policy, tokenizer):
 
 
 @needs_vllm
-def test_weight_sync_after_training_step_reaches_the_sampler(engine, policy):
+def test_weight_sync_after_training_step_reaches_the_sampler(engine, policy, rng):
     trained = copy.deepcopy(policy).train()
     opt = torch.optim.Adam(trained.parameters(), lr=0.05)
     data = torch.randint(0, 256, (2, 16))
@@ -164,7 +164,7 @@ def test_weight_sync_after_training_step_reaches_the_sampler(engine, policy):
         loss.backward()
         opt.step()
     trained.eval()
-    prompts = random_prompts(random.Random(), 2)
+    prompts = random_prompts(rng, 2)
     sp = SamplingParams(max_tokens=8, temperature=1.0, logprobs=True)
 
     # Prompts seen before the sync sit in the prefix cache: the sync must invalidate them.
@@ -265,8 +265,8 @@ def _fake_model_tensors(rng: random.Random, num_layers: int) -> list[tuple[str, 
     return named
 
 
-def test_buckets_keep_layers_whole_and_respect_the_size():
-    rng = random.Random()
+def test_buckets_keep_layers_whole_and_respect_the_size(rng):
+    rng = rng
     named = _fake_model_tensors(rng, rng.randint(3, 9))
     layer_bytes = {}
     for n, t in named:
@@ -287,8 +287,8 @@ def test_buckets_keep_layers_whole_and_respect_the_size():
         assert sum(t.numel() * 4 for _, t in a) + layer_bytes[first_key] > limit
 
 
-def test_bucketing_rejects_a_layer_streamed_in_two_pieces():
-    named = _fake_model_tensors(random.Random(), 2)
+def test_bucketing_rejects_a_layer_streamed_in_two_pieces(rng):
+    named = _fake_model_tensors(rng, 2)
     q = next(i for i, (n, _) in enumerate(named) if n.startswith("model.layers.0.self_attn.q_proj"))
     late = named.pop(q)
     named.insert(len(named) - 1, late)  # layer 0's q_proj after layer 1
