@@ -31,12 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .logprobs import check_inputs, fused_logprobs, resolve_backend
-
-try:  # the "cublas" path needs Triton for its two row kernels
-    from . import _gradfwd
-except ImportError:  # pragma: no cover - depends on the environment
-    _gradfwd = None
+from .logprobs import check_inputs, cublas_module, fused_logprobs, resolve_backend, training_backend
 
 __all__ = ["linear_grpo_loss", "grpo_token_loss", "LOSS_BACKENDS"]
 
@@ -119,10 +114,8 @@ def linear_grpo_loss(
         check_inputs(hidden, weight, targets, temperature)
         grad_on = torch.is_grad_enabled()
         needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
-        loss, logp, entropy = _GradInForwardLoss.apply(hidden, weight, targets, advantages, token_weights,
-                                                       1.0 / float(temperature), chunk_size, token_kw, needs)
-        with torch.no_grad():
-            _, ratio, kl = grpo_token_loss(_with_old(logp, counted, old_logprobs), advantages, **token_kw)
+        loss, logp, entropy, ratio, kl = _GradInForwardLoss.apply(
+            hidden, weight, targets, advantages, token_weights, 1.0 / float(temperature), chunk_size, token_kw, needs)
     else:
         logp, entropy = fused_logprobs(hidden, weight, targets, active=counted, temperature=temperature,
                                        with_entropy=return_entropy, backend=name, chunk_size=chunk_size)
@@ -153,41 +146,37 @@ def _loss_backend(backend: str, hidden: torch.Tensor, weight: torch.Tensor) -> s
     the chunked torch path."""
     if backend not in LOSS_BACKENDS:
         raise ValueError(f"backend must be one of {list(LOSS_BACKENDS)}, got {backend!r}")
-    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if backend == "auto":
-        if hidden.device.type == "cuda" and _gradfwd is not None and wants_grad:
-            return "cublas"
-        return resolve_backend("auto", hidden.device)
+        wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        return training_backend(hidden.device) if wants_grad else resolve_backend("auto", hidden.device)
     if backend == "cublas":
-        if _gradfwd is None:
-            raise ValueError("backend='cublas' needs Triton (pip install triton) for its row kernels")
-        if hidden.device.type != "cuda" and not _gradfwd.INTERPRET:
-            raise ValueError("backend='cublas' needs CUDA tensors (or TRITON_INTERPRET=1 set before import)")
+        cublas_module(hidden.device)
         return backend
     return resolve_backend(backend, hidden.device)
 
 
 class _GradInForwardLoss(torch.autograd.Function):
-    """``(loss, logp, entropy)``; only ``loss`` is differentiable. Forward runs ``_gradfwd.loss_pass``, which also
-    forms the gradients of the loss; backward scales them by the upstream gradient."""
+    """``(loss, logp, entropy, ratio, kl)``; only ``loss`` is differentiable (the others feed the stats; ``kl`` is
+    None when beta == 0). Forward runs ``_gradfwd.loss_pass``, which also forms the gradients of the loss; backward
+    scales them by the upstream gradient."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, advantages, token_weights, inv_temp, chunk_size, token_kw, needs):
-        logp, entropy, grad_hidden, grad_weight = _gradfwd.loss_pass(
+        logp, entropy, grad_hidden, grad_weight = cublas_module(hidden.device).loss_pass(
             hidden, weight, targets, advantages, token_weights, inv_temp=inv_temp, chunk_size=chunk_size,
             need_grad_hidden=needs[0], need_grad_weight=needs[1], **token_kw,
         )
         counted = token_weights != 0
-        per_token, _, _ = grpo_token_loss(_with_old(logp, counted, token_kw["old_logprobs"]), advantages,
-                                          **token_kw)
+        per_token, ratio, kl = grpo_token_loss(_with_old(logp, counted, token_kw["old_logprobs"]), advantages,
+                                               **token_kw)
         loss = (token_weights.float() * per_token).sum()
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.used = False
-        ctx.mark_non_differentiable(logp, entropy)
-        return loss, logp, entropy
+        ctx.mark_non_differentiable(*(x for x in (logp, entropy, ratio, kl) if x is not None))
+        return loss, logp, entropy, ratio, kl
 
     @staticmethod
-    def backward(ctx, g_loss, _g_logp, _g_entropy):
+    def backward(ctx, g_loss, *_g_stats):
         grad_hidden, grad_weight = ctx.saved_tensors
         if g_loss is None:
             return (None,) * 9
@@ -199,5 +188,5 @@ class _GradInForwardLoss(torch.autograd.Function):
         # In place, no host sync; a no-op launch when g_loss == 1 (loss.backward()).
         for grad in (grad_hidden, grad_weight):
             if grad is not None:
-                _gradfwd.scale_(grad, g_loss)
+                cublas_module(grad.device).scale_(grad, g_loss)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None

@@ -136,11 +136,24 @@ def _cublas_logprobs(hidden, weight, targets, temperature, chunk_size):
                          "GRPO loss in forward): call it under torch.no_grad() for old / reference log-probs, or "
                          f"pick 'auto' or one of {sorted(BACKENDS)} for a differentiable result")
     check_inputs(hidden, weight, targets, temperature)
+    return cublas_module(hidden.device).logprobs_pass(hidden, weight, targets, inv_temp=1.0 / float(temperature),
+                                                      chunk_size=chunk_size)
+
+
+def cublas_module(device: torch.device):
+    """The ``"cublas"`` path's module (``_gradfwd``), after checking that it can run on ``device``."""
     try:
         from . import _gradfwd
     except ImportError:  # pragma: no cover - depends on the environment
         raise ValueError("backend='cublas' needs Triton (pip install triton) for its row kernels") from None
-    if hidden.device.type != "cuda" and not _gradfwd.INTERPRET:
+    if device.type != "cuda" and not _gradfwd.INTERPRET:
         raise ValueError("backend='cublas' needs CUDA tensors (or TRITON_INTERPRET=1 set before import)")
-    return _gradfwd.logprobs_pass(hidden, weight, targets, inv_temp=1.0 / float(temperature),
-                                  chunk_size=chunk_size)
+    return _gradfwd
+
+
+def training_backend(device: torch.device) -> str:
+    """The path ``linear_grpo_loss(backend="auto")`` takes on ``device`` when a gradient will be taken: the
+    gradient-in-forward ``"cublas"`` path on CUDA (when Triton imports), else what ``"auto"`` resolves to."""
+    if device.type == "cuda" and "triton" in BACKENDS:
+        return "cublas"
+    return resolve_backend("auto", device)
