@@ -44,6 +44,7 @@ def errors(shape: Shape, *, device: str, chunk_size: int, seed: int = 3,
         else:
             loss, _ = fk.linear_grpo_loss(*args, old_logprobs=old, backend=name, chunk_size=chunk_size)
         g = torch.autograd.grad(loss, args[:2])
+        assert g[0].dtype == args[0].dtype and g[1].dtype == args[1].dtype, f"{name}: gradients not in bf16"
         out.append((name, rel_err(loss, exact), rel_err(g[0], exact_g[0]), rel_err(g[1], exact_g[1])))
     return out
 

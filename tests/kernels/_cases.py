@@ -75,6 +75,16 @@ def grpo_errors(shape: Shape, *, dtype, backend, old=True, beta=0.0, delta=None,
     return errs
 
 
+def assert_bf16_loss_error_at_most_twice_plain(shape: Shape, *, device, backend, chunk_size, seed):
+    """The issue's bf16 criterion for a loss path: its error against float64 is at most 2x that of the plain bf16
+    torch computation, for the loss and both gradients (on benchmarks/kernel_accuracy.py's inputs)."""
+    from benchmarks.kernel_accuracy import errors
+
+    plain, ours = errors(shape, device=device, chunk_size=chunk_size, seed=seed, paths=("plain bf16 torch", backend))
+    for what, o, p in zip(("loss", "grad_hidden", "grad_weight"), ours[1:], plain[1:]):
+        assert o <= 2 * p + 1e-6, f"{backend} {what}: error {o:.3g} > 2 x {p:.3g}"
+
+
 def assert_small(errs: dict, tol: float, *, grad_tol: float | None = None, stat_tol: float = 1e-6):
     grad_tol = tol if grad_tol is None else grad_tol
     for key, err in errs.items():

@@ -3,6 +3,7 @@ plain bf16 torch computation, and the peak memory bound."""
 
 import pytest
 import torch
+from _cases import assert_bf16_loss_error_at_most_twice_plain
 
 from benchmarks.harness import Shape, make_inputs, perturbed, rel_err
 from fastgrpo.kernels import (
@@ -71,19 +72,7 @@ def test_peak_memory_has_no_tokens_by_vocab_buffer():
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: f"{s.n}x{s.h}x{s.v}")
 @pytest.mark.parametrize("backend", ["cublas", "triton"])
 def test_grpo_loss_bf16_error_at_most_twice_torch_bf16(shape, backend):
-    inp = make_inputs(shape, dtype=torch.bfloat16, device="cuda", seed=14, zero_weight_frac=0.2)
-    args = [inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")]
-    h64, w64 = (x.detach().double().requires_grad_() for x in args[:2])
-    old = perturbed(reference_linear_logprobs(h64, w64, args[2]), std=0.3)
-    exact, _ = reference_linear_grpo_loss(h64, w64, *args[2:], old_logprobs=old.double())
-    exact_g = torch.autograd.grad(exact, (h64, w64))
-    ours, _ = linear_grpo_loss(*args, old_logprobs=old, backend=backend, chunk_size=128)
-    ours_g = torch.autograd.grad(ours, args[:2])
-    plain, _ = reference_linear_grpo_loss(*args, old_logprobs=old)
-    plain_g = torch.autograd.grad(plain, args[:2])
-    assert rel_err(ours, exact) <= 2 * rel_err(plain, exact) + 1e-6
-    for a, b, e in zip(ours_g, plain_g, exact_g):
-        assert rel_err(a, e) <= 2 * rel_err(b, e) + 1e-6
+    assert_bf16_loss_error_at_most_twice_plain(shape, device="cuda", backend=backend, chunk_size=128, seed=14)
 
 
 def test_cublas_path_is_the_cuda_default_and_matches_torch_path_in_fp32():
