@@ -23,8 +23,7 @@ from fastgrpo.data import build_datasets, render_prompt
 from fastgrpo.data.sampler import PromptSampler
 from fastgrpo.episodes import Episodes, collect_episodes, record_metrics
 from fastgrpo.evaluate import evaluate
-from fastgrpo.kernels import linear_grpo_loss, linear_logprobs
-from fastgrpo.kernels.logprobs import training_backend
+from fastgrpo.kernels import linear_grpo_loss, linear_logprobs, resolve_backend
 from fastgrpo.losses import GlobalCounts, token_weights, truncated_importance_weights
 from fastgrpo.metrics import JsonlSink, drop_records_after, ProgressBar, StepMetrics, Timer, WandbSink, device_peak_flops, update_flops
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
@@ -56,7 +55,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, tota
 def resolve_head_backend(name: str, device: torch.device) -> str:
     """The kernel path of the policy loss *and* of the old / reference log-probs: one numerics for both, so that
     ``exp(logp - old)`` is exactly 1 while the policy has not moved. ``auto``: cublas on CUDA, torch elsewhere."""
-    return training_backend(device) if name == "auto" else name
+    return resolve_backend(name, device, needs_grad=True)
 
 
 class Trainer:
