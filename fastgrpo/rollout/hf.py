@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastgrpo.model import decoding_attn_implementation
 from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingParams
 
 __all__ = ["HFEngine", "sample_next"]
@@ -93,13 +94,14 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams,
 
 @contextlib.contextmanager
 def _decoding_attention(model: nn.Module) -> Iterator[None]:
-    """Decode with sdpa when the model trains with flex_attention (the packed-training choice on CUDA without
-    flash-attn): flex's compiled kernels are specialised to shapes, and a KV cache changes shape every token."""
+    """Decode with the attention implementation the backend table names for decoding (sdpa for a model that
+    trains with flex_attention), restoring the training one afterwards."""
     impl = getattr(model.config, "_attn_implementation", None)
-    if impl != "flex_attention" or not hasattr(model, "set_attn_implementation"):
+    decode = decoding_attn_implementation(impl)
+    if decode == impl or not hasattr(model, "set_attn_implementation"):
         yield
         return
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(decode)
     try:
         yield
     finally:

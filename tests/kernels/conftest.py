@@ -1,12 +1,9 @@
-"""Put the repository root (for ``benchmarks.harness``) and this folder (for ``_cases``) on ``sys.path``.
-
-``fastgrpo.kernels`` itself needs nothing: the package is always installed (editable), which maps ``kernels/``.
-"""
+"""Put this folder on ``sys.path`` for ``_cases`` (also under --import-mode=importlib); the repository root (for
+``benchmarks.harness``) is added by ``tests/conftest.py``."""
 
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-for path in (HERE.parents[1], HERE):  # also under --import-mode=importlib
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
