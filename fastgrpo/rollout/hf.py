@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastgrpo.model import decoding_attn_implementation
-from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingParams
+from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
 
 __all__ = ["HFEngine", "sample_next"]
 
@@ -108,6 +108,7 @@ def _decoding_attention(model: nn.Module) -> Iterator[None]:
         model.set_attn_implementation(impl)
 
 
+@register_engine("hf")
 class HFEngine(RolloutEngine):
     """Generates with the policy module itself (single process or FSDP2, no copy of the weights).
 
@@ -127,6 +128,13 @@ class HFEngine(RolloutEngine):
         self.pad_id = pad if pad is not None else self.eos_ids[0]  # any id works: pad positions are masked
         # Only the last position's logits are needed; skip the [N, P, V] prefill logits where supported.
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    @classmethod
+    def from_setup(cls, setup: EngineSetup) -> "HFEngine":
+        return cls(setup.model, setup.tokenizer, batch_size=setup.cfg.batch_size)
+
+    def sync_from(self, model: nn.Module) -> bool:
+        return False  # generates with the policy module itself
 
     # -- RolloutEngine ----------------------------------------------------------------------------------------
 
