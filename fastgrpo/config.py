@@ -174,7 +174,8 @@ class RolloutConfig:
     sync_bucket_mb: int = 512
     """vllm: weight-sync bucket size in MB (full tensors gathered per bucket)."""
     importance_sampling_cap: float | None = None
-    """Truncated importance-sampling correction of sampler/trainer mismatch (TRL: 2.0); None = off."""
+    """Token-level truncated importance-sampling correction of sampler/trainer mismatch, weight capped here (2.0
+    is common); None = off. TRL's current default masks whole sequences instead, with cap 3."""
 
     def validate(self, p: str) -> None:
         _check(self.max_completion_length > 0, f"{p}.max_completion_length", "must be > 0")

@@ -315,5 +315,6 @@ def packed_head_forward(model: torch.nn.Module, mb: MicroBatch,
     as an FSDP forward method (``model.packed_forward``). Call ``model.packed_forward(mb, head)`` on a
     parallelized model and this function directly on a plain one.
     """
-    hidden = packed_hidden_states(model.get_decoder(), mb)  # [N, H]
-    return head(hidden, model.get_output_embeddings().weight)  # weight: [V, H]
+    trunk, lm_head = get_trunk_and_head(model)  # rejects models whose logits are not hidden @ weight.T
+    hidden = packed_hidden_states(trunk, mb)  # [N, H]
+    return head(hidden, lm_head.weight)  # weight: [V, H]
