@@ -71,8 +71,8 @@ def _check_choice_fields(section: Any, prefix: str) -> None:
         for v in value if isinstance(value, list) else [value]:
             if f.metadata.get("plugins") and ":" in v:
                 continue
-            _check(v in names, f"{prefix}{f.name}",
-                   f"unknown {v!r}; choices: {', '.join(map(str, names))}{_closest(v, names) if isinstance(v, str) else ''}")
+            hint = _closest(v, names) if isinstance(v, str) else ""
+            _check(v in names, f"{prefix}{f.name}", f"unknown {v!r}; choices: {', '.join(map(str, names))}{hint}")
 
 
 SEEDS_SYSTEM_PROMPT = (
@@ -152,7 +152,7 @@ class RewardConfig:
 @dataclass(kw_only=True)
 class RolloutConfig:
     engine: str = field(default="hf", metadata=registry("fastgrpo.rollout:ENGINES"))
-    """'hf' (transformers generate) or 'vllm' (in-process, colocated)."""
+    """Rollout engine (fastgrpo.rollout.ENGINES): 'hf' (KV-cached decode on the live policy) or 'vllm' (colocated)."""
     max_completion_length: int = 256
     """Most new tokens per completion."""
     temperature: float = 1.0
