@@ -31,7 +31,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# One command for a lent GPU machine: checks the kernels in bf16, then runs every benchmark (see benchmarks/README).
+# One command for a lent GPU machine: checks the kernels in bf16, then runs every benchmark (see benchmarks/run_gpu.sh and benchmarks/RESULTS.md).
 bench-gpu:
 	bash benchmarks/run_gpu.sh
 

@@ -30,22 +30,12 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
+if str(REPO) not in sys.path:  # benchmarks.harness when run as a script; fastgrpo.kernels is installed
     sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import Shape, make_inputs, time_fwd_bwd  # noqa: E402
 
-try:
-    import fastgrpo.kernels as fk  # noqa: E402
-except ImportError:  # source tree, not installed: load kernels/ under its package name
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "fastgrpo.kernels", REPO / "kernels" / "__init__.py", submodule_search_locations=[str(REPO / "kernels")]
-    )
-    fk = importlib.util.module_from_spec(spec)
-    sys.modules["fastgrpo.kernels"] = fk
-    spec.loader.exec_module(fk)
+import fastgrpo.kernels as fk  # noqa: E402
 
 LIGER_T = 1024  # tokens per sequence in the Liger benchmark grid
 FULL_SHAPES = (

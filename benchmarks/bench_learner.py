@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
 from fastgrpo.metrics import device_peak_flops, update_flops  # noqa: E402
-from fastgrpo.model import choose_attn_implementation  # noqa: E402
-from fastgrpo.packing import pack, packed_head_forward, plan_microbatches  # noqa: E402
+from fastgrpo.model import choose_attn_implementation, packed_head_forward  # noqa: E402
+from fastgrpo.packing import pack, plan_microbatches  # noqa: E402
 
 # Shapes of the public Qwen2.5 configs (random weights, nothing downloaded).
 MODEL_SHAPES = {

@@ -28,20 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _load_triton_backend():
-    """The kernels module, imported as part of fastgrpo.kernels when installed, else from the source tree."""
-    try:
-        from fastgrpo.kernels import _triton
-    except ImportError:
-        sys.path.insert(0, str(REPO))
-        import importlib.util
+    """The Triton kernels module of the installed fastgrpo.kernels."""
+    from fastgrpo.kernels import _triton
 
-        spec = importlib.util.spec_from_file_location(
-            "fastgrpo.kernels", REPO / "kernels" / "__init__.py", submodule_search_locations=[str(REPO / "kernels")]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fastgrpo.kernels"] = module
-        spec.loader.exec_module(module)
-        from fastgrpo.kernels import _triton
     return _triton
 
 

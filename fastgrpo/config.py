@@ -7,18 +7,25 @@ A run is described by a YAML file plus dotted ``key=value`` overrides on the com
 Every field has a one-line docstring (the string literal under it), which ``--help-config`` prints.
 Bad values raise ``ConfigError`` (a ``ValueError``) naming the field, before any model loads; an unknown
 key names the closest valid one.
+
+Choice fields have one source each. A closed set is typed ``Literal[...]``. An open set (loss types, rewards,
+rollout engines, attention backends, kernel backends, metric sinks) is the registry of the component that
+implements it, named in the field's metadata (:func:`registry`): validation, the closest-name hint and
+``--help-config`` read that registry, so a name registered by ``register_loss_type`` (etc.) is accepted with no
+edit here. The registry's module is imported only when a config is validated or described, so this module
+imports no component (components import their config sections).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
-import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -36,6 +43,38 @@ def _check(cond: bool, path: str, msg: str) -> None:
         _fail(path, msg)
 
 
+def registry(source: str, *, also: tuple[str, ...] = (), plugins: bool = False) -> dict[str, Any]:
+    """Field metadata: the field's choices are the keys of the registry ``source`` ('module:NAME'), plus ``also``
+    (e.g. 'auto'). ``plugins``: entries that contain ':' are 'path/to/file.py:name' specs, checked when loaded."""
+    return {"registry": source, "also": also, "plugins": plugins}
+
+
+def choices(cls: type, name: str) -> list | None:
+    """The accepted values of field ``name`` of config class ``cls`` (list fields: of each entry), or None."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if "registry" in f.metadata:
+        module, _, attr = f.metadata["registry"].partition(":")
+        return [*f.metadata["also"], *getattr(importlib.import_module(module), attr)]
+    tp = _field_types(cls)[name]
+    if typing.get_origin(tp) is list:
+        tp = typing.get_args(tp)[0]
+    return list(typing.get_args(tp)) if typing.get_origin(tp) is Literal else None
+
+
+def _check_choice_fields(section: Any, prefix: str) -> None:
+    """Every Literal or registry field of ``section`` holds one of its choices."""
+    for f in dataclasses.fields(section):
+        names = choices(type(section), f.name)
+        if names is None:
+            continue
+        value = getattr(section, f.name)
+        for v in value if isinstance(value, list) else [value]:
+            if f.metadata.get("plugins") and ":" in v:
+                continue
+            hint = _closest(v, names) if isinstance(v, str) else ""
+            _check(v in names, f"{prefix}{f.name}", f"unknown {v!r}; choices: {', '.join(map(str, names))}{hint}")
+
+
 SEEDS_SYSTEM_PROMPT = (
     "You are a helpful assistant. You first think about the reasoning process in your mind and then "
     "provide the user with the answer."
@@ -46,9 +85,10 @@ SEEDS_SYSTEM_PROMPT = (
 class ModelConfig:
     name_or_path: str = "tiny"
     """'tiny' (the embedded model, built locally), a local folder, or a Hugging Face hub id (needs network)."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights: 'auto' (CUDA: float32 masters, bfloat16 compute via FSDP2; CPU: float32), 'float32' or 'bfloat16'."""
-    attn_implementation: str = "auto"
+    attn_implementation: str = field(default="auto",
+                                     metadata=registry("fastgrpo.model:ATTN_BACKENDS", also=("auto",)))
     """'auto' picks flash_attention_2 > flex_attention (CUDA) > sdpa; or name one explicitly."""
     trust_remote_code: bool = False
     """Passed to transformers when loading a hub model."""
@@ -57,17 +97,13 @@ class ModelConfig:
 
     def validate(self, p: str) -> None:
         _check(bool(self.name_or_path), f"{p}.name_or_path", "must not be empty")
-        _check(self.dtype in ("auto", "float32", "bfloat16"), f"{p}.dtype",
-               f"must be auto, float32 or bfloat16, got {self.dtype!r}")
-        _check(self.attn_implementation in ("auto", "flash_attention_2", "flex_attention", "sdpa", "eager"),
-               f"{p}.attn_implementation", f"unknown backend {self.attn_implementation!r}")
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     source: str = "countdown"
     """'countdown' (seeded generator), 'toy' (the learning-test task), or a json/jsonl/parquet path or hub id."""
-    template: str = "chat"
+    template: str = field(default="chat", metadata=registry("fastgrpo.data.templates:TEMPLATES"))
     """Prompt template: 'chat' (the seeds' chat prompt) or 'base' (plain text ending in '<think>')."""
     system_prompt: str = SEEDS_SYSTEM_PROMPT
     """System message for the chat template."""
@@ -91,7 +127,6 @@ class DataConfig:
     """Seed for generation and for the per-rank prompt order."""
 
     def validate(self, p: str) -> None:
-        _check(self.template in ("chat", "base"), f"{p}.template", f"must be chat or base, got {self.template!r}")
         _check(self.num_train >= 1, f"{p}.num_train", "must be >= 1")
         _check(self.num_eval >= 0, f"{p}.num_eval", "must be >= 0")
         _check(2 <= self.min_numbers <= self.max_numbers <= 6, f"{p}.min_numbers",
@@ -101,7 +136,8 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    funcs: list[str] = field(default_factory=lambda: ["format", "countdown"])
+    funcs: list[str] = field(default_factory=lambda: ["format", "countdown"],
+                             metadata=registry("fastgrpo.rewards:REWARDS", plugins=True))
     """Reward names from fastgrpo.rewards.REWARDS, or 'path/to/file.py:function' for your own."""
     weights: list[float] | None = None
     """One weight per reward function; None weighs each 1.0."""
@@ -115,8 +151,8 @@ class RewardConfig:
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    engine: str = "hf"
-    """'hf' (transformers generate) or 'vllm' (in-process, colocated)."""
+    engine: str = field(default="hf", metadata=registry("fastgrpo.rollout:ENGINES"))
+    """Rollout engine (fastgrpo.rollout.ENGINES): 'hf' (KV-cached decode on the live policy) or 'vllm' (colocated)."""
     max_completion_length: int = 256
     """Most new tokens per completion."""
     temperature: float = 1.0
@@ -133,21 +169,20 @@ class RolloutConfig:
     """vllm: skip CUDA-graph / compile warm-up (faster start, slower decode; on CPU start-up 15 s -> 2 s)."""
     enable_prefix_caching: bool = True
     """vllm: reuse KV cache across the G samples of a prompt."""
-    sleep_level: int = 1
+    sleep_level: Literal[0, 1, 2] = 1
     """vllm: 0 = never sleep, 1 = free KV cache during the update, 2 = also free the weights."""
     sync_bucket_mb: int = 512
     """vllm: weight-sync bucket size in MB (full tensors gathered per bucket)."""
     importance_sampling_cap: float | None = None
-    """Truncated importance-sampling correction of sampler/trainer mismatch (TRL: 2.0); None = off."""
+    """Token-level truncated importance-sampling correction of sampler/trainer mismatch, weight capped here (2.0
+    is common); None = off. TRL's current default masks whole sequences instead, with cap 3."""
 
     def validate(self, p: str) -> None:
-        _check(self.engine in ("hf", "vllm"), f"{p}.engine", f"must be hf or vllm, got {self.engine!r}")
         _check(self.max_completion_length > 0, f"{p}.max_completion_length", "must be > 0")
         _check(self.temperature > 0, f"{p}.temperature", "must be > 0")
         _check(0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
         _check(self.batch_size >= 1, f"{p}.batch_size", "must be >= 1")
         _check(0 < self.gpu_memory_utilization < 1, f"{p}.gpu_memory_utilization", "must be in (0, 1)")
-        _check(self.sleep_level in (0, 1, 2), f"{p}.sleep_level", "must be 0, 1 or 2")
         _check(self.sync_bucket_mb >= 1, f"{p}.sync_bucket_mb", "must be >= 1")
         _check(self.importance_sampling_cap is None or self.importance_sampling_cap >= 1,
                f"{p}.importance_sampling_cap", "must be >= 1 or null")
@@ -159,9 +194,9 @@ class GRPOConfig:
     """B: prompts per optimizer step (per rank)."""
     num_generations: int = 8
     """G: completions per prompt."""
-    loss_type: str = "dapo"
+    loss_type: str = field(default="dapo", metadata=registry("fastgrpo.losses:LOSS_TYPES"))
     """grpo | dapo (alias bnpo) | dr_grpo: how per-token losses are normalised over the global batch."""
-    scale_rewards: str = "group"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
     """Advantage scaling: 'group' (divide by group std), 'batch' (by batch std) or 'none' (Dr. GRPO)."""
     beta: float = 0.0
     """KL weight (k3 estimator) against a frozen reference model; 0 loads no reference model."""
@@ -175,7 +210,7 @@ class GRPOConfig:
     """Policy updates per rollout batch (mu); > 1 uses stored old log-probs."""
     max_tokens_per_microbatch: int = 4096
     """Token budget of one packed micro-batch; gradients are accumulated across micro-batches."""
-    head_backend: str = "auto"
+    head_backend: str = field(default="auto", metadata=registry("fastgrpo.kernels:BACKENDS"))
     """lm_head + loss kernel path (fastgrpo.kernels): 'auto' (cublas on CUDA, torch on CPU); 'cublas' (gradient
     formed in forward, three products, bf16 logits as in TRL); 'triton' (float32 logits recomputed in backward:
     more precise, one product more); 'torch' (chunked, any device)."""
@@ -184,10 +219,6 @@ class GRPOConfig:
         _check(self.prompts_per_step >= 1, f"{p}.prompts_per_step", "must be >= 1")
         _check(self.num_generations >= 2, f"{p}.num_generations",
                f"must be >= 2 (group statistics need two samples), got {self.num_generations}")
-        _check(self.loss_type in ("grpo", "dapo", "bnpo", "dr_grpo"), f"{p}.loss_type",
-               f"must be grpo, dapo, bnpo or dr_grpo, got {self.loss_type!r}")
-        _check(self.scale_rewards in ("group", "batch", "none"), f"{p}.scale_rewards",
-               f"must be group, batch or none, got {self.scale_rewards!r}")
         _check(self.beta >= 0, f"{p}.beta", "must be >= 0")
         _check(0 <= self.epsilon_low < 1, f"{p}.epsilon_low", "must be in [0, 1)")
         _check(self.epsilon_high >= 0, f"{p}.epsilon_high", "must be >= 0")
@@ -195,8 +226,6 @@ class GRPOConfig:
                "must exceed 1 + epsilon_high")
         _check(self.num_iterations >= 1, f"{p}.num_iterations", "must be >= 1")
         _check(self.max_tokens_per_microbatch >= 1, f"{p}.max_tokens_per_microbatch", "must be >= 1")
-        _check(self.head_backend in ("auto", "cublas", "triton", "torch"), f"{p}.head_backend",
-               f"must be auto, cublas, triton or torch, got {self.head_backend!r}")
 
 
 @dataclass(kw_only=True)
@@ -209,7 +238,7 @@ class OptimConfig:
     """AdamW betas."""
     warmup_steps: int = 0
     """Linear warm-up, in optimizer updates (max_steps * grpo.num_iterations in all), up to lr."""
-    schedule: str = "constant"
+    schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: 'constant' or 'cosine' (down to min_lr_ratio * lr at the last optimizer update)."""
     min_lr_ratio: float = 0.0
     """Cosine floor as a fraction of lr."""
@@ -222,7 +251,6 @@ class OptimConfig:
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{p}.betas",
                "must be two numbers in [0, 1)")
         _check(self.warmup_steps >= 0, f"{p}.warmup_steps", "must be >= 0")
-        _check(self.schedule in ("constant", "cosine"), f"{p}.schedule", "must be constant or cosine")
         _check(0 <= self.min_lr_ratio <= 1, f"{p}.min_lr_ratio", "must be in [0, 1]")
         _check(self.max_grad_norm >= 0, f"{p}.max_grad_norm", "must be >= 0")
 
@@ -231,9 +259,9 @@ class OptimConfig:
 class ParallelConfig:
     fsdp: bool = True
     """FSDP2 (fully_shard per block + root) with world size > 1, and on CUDA with one GPU too (mixed precision)."""
-    param_dtype: str = "bfloat16"
+    param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """FSDP2 mixed precision: dtype of gathered parameters on CUDA (CPU always computes in float32)."""
-    reduce_dtype: str = "float32"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 mixed precision: dtype of gradient reductions."""
     cpu_offload: bool = False
     """FSDP2 CPU offload of parameters, gradients and optimizer state."""
@@ -243,8 +271,7 @@ class ParallelConfig:
     """torch.compile each transformer block."""
 
     def validate(self, p: str) -> None:
-        for name in ("param_dtype", "reduce_dtype"):
-            _check(getattr(self, name) in ("float32", "bfloat16"), f"{p}.{name}", "must be float32 or bfloat16")
+        pass  # its choices are Literal fields, checked with every section's
 
 
 @dataclass(kw_only=True)
@@ -283,7 +310,7 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class LogConfig:
-    report_to: list[str] = field(default_factory=lambda: ["jsonl"])
+    report_to: list[str] = field(default_factory=lambda: ["jsonl"], metadata=registry("fastgrpo.metrics:SINKS"))
     """Metric sinks besides the progress bar: 'jsonl', 'wandb'."""
     wandb_project: str = "fastgrpo"
     """wandb project name."""
@@ -293,8 +320,6 @@ class LogConfig:
     """Show a progress bar (rank 0 only)."""
 
     def validate(self, p: str) -> None:
-        for sink in self.report_to:
-            _check(sink in ("jsonl", "wandb"), f"{p}.report_to", f"unknown sink {sink!r} (jsonl, wandb)")
         _check(self.completions_per_step >= 0, f"{p}.completions_per_step", "must be >= 0")
 
 
@@ -308,7 +333,7 @@ class TrainConfig:
     """Optimizer steps."""
     seed: int = 0
     """Global seed (model init of the tiny model, sampling, data order)."""
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' (cuda if available), 'cpu' or 'cuda'."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -328,19 +353,26 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         _check(bool(self.name) and "/" not in self.name, "name", "must be a non-empty folder name")
         _check(self.max_steps >= 1, "max_steps", "must be >= 1")
-        _check(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
-        if self.grpo.head_backend in ("cublas", "triton"):
-            import torch  # deferred: the config module loads without torch for --help-config
-
-            cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
-            interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
-            _check(not cpu or interpreted, "grpo.head_backend",
-                   f"{self.grpo.head_backend!r} runs Triton kernels and needs a CUDA device; use auto or torch on CPU")
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
+                _check_choice_fields(sub, f"{f.name}.")
                 sub.validate(f.name)
+        _check_choice_fields(self, "")
+        self._check_head_backend()
         return self
+
+    def _check_head_backend(self) -> None:
+        """The kernel path must run on the run's device (Triton paths need CUDA or the interpreter)."""
+        import torch  # deferred: the config module loads without torch
+
+        from fastgrpo.kernels import resolve_backend
+
+        device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            resolve_backend(self.grpo.head_backend, device, needs_grad=True)
+        except ValueError as e:
+            _fail("grpo.head_backend", f"{e}; use auto or torch on CPU")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -355,6 +387,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Coerce a YAML/CLI value to the annotated type, or raise naming the field."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin is Literal:  # the value's type here; membership in validate(), with registry fields
+        return _coerce(value, type(args[0]), path)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         if value is None and type(None) in args:
             return None
@@ -492,7 +526,11 @@ def describe() -> str:
                 walk(tp, f"{prefix}{f.name}.")
             else:
                 default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                lines.append(f"{prefix}{f.name} = {default!r}\n    {docs.get(f.name, '')}")
+                line = f"{prefix}{f.name} = {default!r}\n    {docs.get(f.name, '')}"
+                names = choices(cls, f.name)
+                if names is not None:
+                    line += f"\n    choices: {', '.join(map(str, names))}"
+                lines.append(line)
 
     walk(TrainConfig, "")
     return "\n".join(lines)

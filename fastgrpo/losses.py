@@ -75,7 +75,8 @@ def token_weights(loss_type: str, lengths: torch.Tensor, counts: GlobalCounts) -
 
 
 def truncated_importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Per-token truncated importance weight ``min(pi_old / pi_sampler, cap)`` [N] (TRL's default TIS correction).
+    """Per-token truncated importance weight ``min(pi_old / pi_sampler, cap)`` [N] (token-level TIS; TRL's current
+    default instead masks whole sequences, with cap 3).
 
     The rollout engine samples with its own kernels (with vLLM, its own copy of the weights, often in another
     precision), so the behaviour policy is not exactly the one the trainer differentiates. Multiplied into the token

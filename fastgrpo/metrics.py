@@ -175,6 +175,14 @@ def drop_records_after(path: Path, step: int) -> None:
 class JsonlSink:
     """Appends one JSON object per line; flushed per write so a killed run keeps every finished step."""
 
+    @classmethod
+    def for_run(cls, run_dir: Path, *, name: str, project: str, config: dict) -> "JsonlSink":
+        return cls(run_dir / "metrics.jsonl")
+
+    @staticmethod
+    def check_available() -> None:
+        pass
+
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(path, "a", encoding="utf-8")
@@ -198,6 +206,12 @@ def check_wandb_available() -> None:
 
 class WandbSink:
     """wandb run; offline mode when no API key is configured, so a run never blocks on a login prompt."""
+
+    @classmethod
+    def for_run(cls, run_dir: Path, *, name: str, project: str, config: dict) -> "WandbSink":
+        return cls(project, name, config, run_dir)
+
+    check_available = staticmethod(check_wandb_available)
 
     def __init__(self, project: str, name: str, config: dict, run_dir: Path) -> None:
         check_wandb_available()
@@ -239,3 +253,54 @@ class ProgressBar:
 
     def close(self) -> None:
         self._bar.close()
+
+
+SINKS: dict[str, type] = {"jsonl": JsonlSink, "wandb": WandbSink}
+"""Metric sink name (the choices of log.report_to) -> class with ``for_run(run_dir, name=, project=, config=)``,
+``check_available()``, ``write(record)`` and ``close()``."""
+
+
+class RunLog:
+    """Rank 0's outputs of a run: the metric sinks, completions.jsonl and the progress bar (all no-ops elsewhere).
+
+    A resumed run redoes the steps after its checkpoint, so records after ``step`` are dropped first.
+    """
+
+    def __init__(self, run_dir: Path, *, report_to: list[str], name: str, project: str, config: dict,
+                 step: int, max_steps: int, enabled: bool, progress: bool) -> None:
+        self.sinks: list = []
+        self.completions = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            for log in ("metrics.jsonl", "completions.jsonl"):
+                drop_records_after(run_dir / log, step)
+            (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+            self.sinks = [SINKS[s].for_run(run_dir, name=name, project=project, config=config) for s in report_to]
+            self.completions = JsonlSink(run_dir / "completions.jsonl")
+        self.bar = ProgressBar(max_steps, step, enabled=enabled and progress)
+
+    def write(self, record: dict, completions: list[dict]) -> None:
+        for s in self.sinks:
+            s.write(record)
+        if self.completions is not None:
+            for row in completions:
+                self.completions.write(row)
+        self.bar.update(record)
+
+    def close(self) -> None:
+        self.bar.close()
+        for s in self.sinks:
+            s.close()
+        if self.completions is not None:
+            self.completions.close()
+
+
+def add_throughput(record: dict[str, float], *, rollout_s: float, update_s: float, num_iterations: int) -> None:
+    """Tokens per second of the rollout, the update (all num_iterations passes) and the whole step.
+
+    Token counts are totals over ranks; ranks run in lockstep, so rank 0's seconds are the step's.
+    """
+    record["perf/rollout_tokens_per_s"] = record["perf/rollout_tokens"] / max(rollout_s, 1e-9)
+    record["perf/update_tokens_per_s"] = record["perf/update_tokens"] * num_iterations / max(update_s, 1e-9)
+    record["perf/tokens_per_s"] = ((record["perf/rollout_tokens"] + record["perf/update_tokens"])
+                                   / max(rollout_s + update_s, 1e-9))

@@ -1,4 +1,5 @@
-"""Load a causal LM and its tokenizer; choose the attention backend. No parallelism here (see parallelize.py).
+"""Load a causal LM and its tokenizer; the attention-backend table; the packed forward. No parallelism here
+(see parallelize.py).
 
 ``ModelConfig.name_or_path`` is one of:
 - ``"tiny"`` / ``"tiny:<preset>"`` (e.g. ``"tiny:llama"``): the embedded model, built locally by
@@ -7,8 +8,10 @@
 - a Hugging Face hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``), downloaded by transformers: needs network, or a
   warm ``HF_HOME`` cache.
 
-The trainer computes log-probs as ``lm_head(trunk(x))`` on completion positions only, so it needs the two
-halves separately: :func:`get_trunk_and_head`.
+Log-probs and losses are computed as ``head_fn(trunk(x)[completion positions], lm_head.weight)`` on one packed
+row (:func:`packed_head_forward`), so the lm_head runs on completion tokens only and the fused kernel never
+builds ``[tokens x vocab]`` logits. Each attention backend (``ATTN_BACKENDS``) says how it can run, how a packed
+row's sequence boundaries reach it, and what the HF rollout engine decodes with.
 
 Legend: N tokens, H hidden size, V vocabulary size.
 """
@@ -16,21 +19,28 @@ Legend: N tokens, H hidden size, V vocabulary size.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from fastgrpo.config import ModelConfig
+from fastgrpo.packing import MicroBatch
 
 __all__ = [
     "ATTN_BACKENDS",
+    "AttnBackend",
     "choose_attn_implementation",
     "count_params",
+    "decoding_attn_implementation",
     "get_trunk_and_head",
     "load_model",
     "load_tokenizer",
+    "packed_head_forward",
+    "packed_hidden_states",
+    "register_attn_backend",
     "resolve_dtype",
     "resolve_model_path",
 ]
@@ -51,17 +61,69 @@ def _needs_flash_attn(device: torch.device) -> None:
         raise ValueError(f"model.attn_implementation: flash_attention_2 runs on CUDA only, not on {device.type}")
 
 
-def _needs_nothing(device: torch.device) -> None:
+def _runs_anywhere(device: torch.device) -> None:
     pass
 
 
-ATTN_BACKENDS: dict[str, Callable[[torch.device], None]] = {
-    "flash_attention_2": _needs_flash_attn,
-    "flex_attention": _needs_nothing,
-    "sdpa": _needs_nothing,
-    "eager": _needs_nothing,
-}
-"""Backend name (transformers' attn_implementation) -> check that raises if it cannot run on a device."""
+# How a packed row's sequence boundaries reach each backend. transformers (read in 5.19's masking_utils; present
+# since 4.53) detects packing from position_ids when attention_mask is None and no KV cache is passed
+# (find_packed_sequence_indices), and then builds a block-diagonal causal mask for sdpa/eager/flex. We still pass
+# the boundaries explicitly where we can:
+# - flash_attention_2: cu_seqlens + max_seqlen go straight to flash_attn_varlen_func; otherwise transformers
+#   re-derives them from position_ids in every layer with a device->host sync.
+# - sdpa: an explicit [1, 1, T, T] boolean block-causal mask (True = attend). Same mask transformers would
+#   build, without the host sync in its packing check and without relying on that check across versions.
+# - eager and flex_attention: position_ids only; transformers builds the additive mask / the BlockMask.
+# Models with sliding-window layers also use position_ids only: one explicit mask would ignore the window.
+
+
+def block_causal_mask(mb: MicroBatch) -> torch.Tensor:
+    """[1, 1, T, T] bool: token q may attend to token k iff same sequence and k <= q."""
+    seg = mb.segment_ids  # [T], already on the device: no host->device copy inside the micro-batch loop
+    same = seg[:, None] == seg[None, :]  # [T, T]
+    causal = torch.ones(mb.num_tokens, mb.num_tokens, dtype=torch.bool, device=seg.device).tril_()
+    return (same & causal)[None, None]
+
+
+def _sdpa_inputs(mb: MicroBatch) -> dict[str, Any]:
+    return {"attention_mask": block_causal_mask(mb)}
+
+
+def _varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
+    return {"cu_seq_lens_q": mb.cu_seqlens, "cu_seq_lens_k": mb.cu_seqlens,
+            "max_length_q": mb.max_seqlen, "max_length_k": mb.max_seqlen}
+
+
+def _position_ids_only(mb: MicroBatch) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttnBackend:
+    """What fastgrpo needs to know about one transformers attention implementation."""
+
+    check: Callable[[torch.device], None] = _runs_anywhere
+    """Raises (ImportError saying what to install, or ValueError) if it cannot run on a device."""
+    packed_inputs: Callable[[MicroBatch], dict[str, Any]] = _position_ids_only
+    """Extra trunk kwargs that mark the sequence boundaries of a packed row."""
+    decode_with: str | None = None
+    """Implementation the HF rollout engine decodes with; None = this one."""
+
+
+ATTN_BACKENDS: dict[str, AttnBackend] = {}
+"""Backend name (transformers' attn_implementation, the choices of model.attn_implementation) -> AttnBackend."""
+
+
+def register_attn_backend(name: str, backend: AttnBackend) -> None:
+    """Make ``name`` a valid ``model.attn_implementation`` with the given checks and packed inputs."""
+    ATTN_BACKENDS[name] = backend
+
+
+register_attn_backend("flash_attention_2", AttnBackend(check=_needs_flash_attn, packed_inputs=_varlen_inputs))
+# flex's compiled kernels are specialised to shapes and a KV cache changes shape every token: decode with sdpa.
+register_attn_backend("flex_attention", AttnBackend(decode_with="sdpa"))
+register_attn_backend("sdpa", AttnBackend(packed_inputs=_sdpa_inputs))
+register_attn_backend("eager", AttnBackend())
 
 
 def choose_attn_implementation(requested: str, device: torch.device | str) -> str:
@@ -79,7 +141,7 @@ def choose_attn_implementation(requested: str, device: torch.device | str) -> st
     if requested not in ATTN_BACKENDS:
         raise ValueError(f"model.attn_implementation: unknown backend {requested!r} "
                          f"(auto, {', '.join(ATTN_BACKENDS)})")
-    ATTN_BACKENDS[requested](device)
+    ATTN_BACKENDS[requested].check(device)
     return requested
 
 
@@ -205,3 +267,54 @@ def get_trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:
     """Number of parameters, each shared (tied) tensor counted once."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def decoding_attn_implementation(impl: str | None) -> str | None:
+    """The implementation to decode with (KV cache, one token per step) for a model that trains with ``impl``."""
+    backend = ATTN_BACKENDS.get(impl) if impl is not None else None
+    if backend is None or backend.decode_with is None:
+        return impl
+    return backend.decode_with
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The packed forward
+
+
+def _attention_inputs(config: Any, mb: MicroBatch) -> dict[str, Any]:
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return {}
+    backend = ATTN_BACKENDS.get(impl)
+    return backend.packed_inputs(mb) if backend is not None else {}
+
+
+def packed_hidden_states(trunk: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """Run the decoder trunk on one packed row and return hidden states at completion positions: [N, H].
+
+    trunk is ``model.get_decoder()`` (``model.model`` for Qwen2/Llama). ``use_cache=False`` matters: with a
+    cache transformers treats the row as one sequence (its packing detection needs no cache).
+    """
+    out = trunk(
+        input_ids=mb.input_ids,  # [1, T]
+        position_ids=mb.position_ids,  # [1, T]
+        use_cache=False,
+        **{"attention_mask": None, **_attention_inputs(trunk.config, mb)},
+    )
+    hidden = out.last_hidden_state[0]  # [T, H]
+    return hidden.index_select(0, mb.hidden_index)  # [N, H]
+
+
+def packed_head_forward(model: torch.nn.Module, mb: MicroBatch,
+                        head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+    """``head(hidden [N, H], lm_head_weight [V, H])`` on one micro-batch of a causal LM; returns what head returns.
+
+    The loss (e.g. ``fastgrpo.kernels.linear_grpo_loss``) runs inside this call so that, under FSDP2, the
+    lm_head weight is the gathered full tensor while it is used: ``parallelize_model`` registers this function
+    as an FSDP forward method (``model.packed_forward``). Call ``model.packed_forward(mb, head)`` on a
+    parallelized model and this function directly on a plain one.
+    """
+    trunk, lm_head = get_trunk_and_head(model)  # rejects models whose logits are not hidden @ weight.T
+    hidden = packed_hidden_states(trunk, mb)  # [N, H]
+    return head(hidden, lm_head.weight)  # weight: [V, H]

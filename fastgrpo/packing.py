@@ -3,7 +3,8 @@
 Each micro-batch is one row ``[1, T]`` holding whole sequences back to back (prompt then completion);
 ``position_ids`` restart at 0 for every sequence so that the attention backend keeps sequences apart and
 rotary embeddings see the same positions as an unpadded forward. Only the positions whose hidden state
-predicts a completion token are kept after the trunk, so the lm_head runs on completion tokens only.
+predicts a completion token are kept after the trunk, so the lm_head runs on completion tokens only. The packed
+forward itself (how each attention backend is told where sequences start) is in :mod:`fastgrpo.model`.
 
 Shape legend:
   S  sequences in the batch (this rank's)           F  completion tokens of all S sequences (flat layout)
@@ -20,9 +21,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -221,85 +221,3 @@ def pack(
             num_completion_tokens=len(targets),
         ))
     return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Forward: how each attention backend is told where sequences start
-#
-# transformers (read in 5.19's masking_utils; present since 4.53) detects packing from position_ids when
-# attention_mask is None and no KV cache is passed (find_packed_sequence_indices), and then builds a
-# block-diagonal causal mask for sdpa/eager/flex. We still pass the boundaries explicitly where we can:
-# - flash_attention_2/3: cu_seqlens + max_seqlen go straight to flash_attn_varlen_func; otherwise transformers
-#   re-derives them from position_ids in every layer with a device->host sync.
-# - sdpa: an explicit [1, 1, T, T] boolean block-causal mask (True = attend). Same mask transformers would
-#   build, without the host sync in its packing check and without relying on that check across versions.
-# - eager and flex_attention: position_ids only; transformers builds the additive mask / the BlockMask.
-# Models with sliding-window layers also use position_ids only: one explicit mask would ignore the window.
-
-
-def block_causal_mask(mb: MicroBatch) -> torch.Tensor:
-    """[1, 1, T, T] bool: token q may attend to token k iff same sequence and k <= q."""
-    seg = mb.segment_ids  # [T], already on the device: no host->device copy inside the micro-batch loop
-    same = seg[:, None] == seg[None, :]  # [T, T]
-    causal = torch.ones(mb.num_tokens, mb.num_tokens, dtype=torch.bool, device=seg.device).tril_()
-    return (same & causal)[None, None]
-
-
-def _sdpa_inputs(mb: MicroBatch) -> dict[str, Any]:
-    return {"attention_mask": block_causal_mask(mb)}
-
-
-def _varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
-    return {"cu_seq_lens_q": mb.cu_seqlens, "cu_seq_lens_k": mb.cu_seqlens,
-            "max_length_q": mb.max_seqlen, "max_length_k": mb.max_seqlen}
-
-
-def _position_ids_only(mb: MicroBatch) -> dict[str, Any]:
-    return {}
-
-
-PACKED_ATTENTION_INPUTS: dict[str, Callable[[MicroBatch], dict[str, Any]]] = {
-    "sdpa": _sdpa_inputs,
-    "flash_attention_2": _varlen_inputs,
-    "flash_attention_3": _varlen_inputs,
-    "eager": _position_ids_only,
-    "flex_attention": _position_ids_only,
-}
-"""attn_implementation -> extra trunk kwargs that mark sequence boundaries; others use position_ids only."""
-
-
-def _attention_inputs(config: Any, mb: MicroBatch) -> dict[str, Any]:
-    impl = getattr(config, "_attn_implementation", None) or "sdpa"
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return {}
-    return PACKED_ATTENTION_INPUTS.get(impl, _position_ids_only)(mb)
-
-
-def packed_hidden_states(trunk: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """Run the decoder trunk on one packed row and return hidden states at completion positions: [N, H].
-
-    trunk is ``model.get_decoder()`` (``model.model`` for Qwen2/Llama). ``use_cache=False`` matters: with a
-    cache transformers treats the row as one sequence (its packing detection needs no cache).
-    """
-    out = trunk(
-        input_ids=mb.input_ids,  # [1, T]
-        position_ids=mb.position_ids,  # [1, T]
-        use_cache=False,
-        **{"attention_mask": None, **_attention_inputs(trunk.config, mb)},
-    )
-    hidden = out.last_hidden_state[0]  # [T, H]
-    return hidden.index_select(0, mb.hidden_index)  # [N, H]
-
-
-def packed_head_forward(model: torch.nn.Module, mb: MicroBatch,
-                        head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
-    """``head(hidden [N, H], lm_head_weight [V, H])`` on one micro-batch of a causal LM; returns what head returns.
-
-    The loss (e.g. ``fastgrpo.kernels.linear_grpo_loss``) runs inside this call so that, under FSDP2, the
-    lm_head weight is the gathered full tensor while it is used: ``parallelize_model`` registers this function
-    as an FSDP forward method (``model.packed_forward``). Call ``model.packed_forward(mb, head)`` on a
-    parallelized model and this function directly on a plain one.
-    """
-    hidden = packed_hidden_states(model.get_decoder(), mb)  # [N, H]
-    return head(hidden, model.get_output_embeddings().weight)  # weight: [V, H]

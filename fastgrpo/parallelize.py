@@ -17,7 +17,7 @@ keep pointing at the same (sharded, later gathered) tensor. Sharding the embeddi
 split the tie.
 
 The loss runs on the lm_head weight outside ``model.forward``; ``parallelize_model`` therefore attaches
-``model.packed_forward(mb, head)`` (``fastgrpo.packing.packed_head_forward``) and registers it as an FSDP
+``model.packed_forward(mb, head)`` (``fastgrpo.model.packed_head_forward``) and registers it as an FSDP
 forward method, so the root unit's parameters are gathered while the head uses them and their gradients are
 reduce-scattered afterwards. Call ``model.packed_forward`` for every packed pass (policy, old-logprob, ref).
 
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from fastgrpo.config import ParallelConfig
-from fastgrpo.packing import packed_head_forward
+from fastgrpo.model import packed_head_forward
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

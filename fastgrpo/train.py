@@ -22,14 +22,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_optional_extras(cfg) -> None:
     """A missing optional extra is a one-line message with the install command, before anything loads."""
-    if "wandb" in cfg.log.report_to:
-        from fastgrpo.metrics import check_wandb_available
+    from fastgrpo.metrics import SINKS
+    from fastgrpo.rollout import ENGINES
 
-        check_wandb_available()
-    if cfg.rollout.engine == "vllm":
-        from fastgrpo.rollout.vllm import check_vllm_available
-
-        check_vllm_available()
+    for sink in cfg.log.report_to:
+        SINKS[sink].check_available()
+    ENGINES[cfg.rollout.engine].check_available()
 
 
 def main(argv: list[str] | None = None) -> int:

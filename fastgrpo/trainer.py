@@ -8,7 +8,6 @@ A "step" is one rollout batch. With ``grpo.num_iterations = mu > 1`` the batch i
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -23,15 +22,12 @@ from fastgrpo.data import build_datasets, render_prompt
 from fastgrpo.data.sampler import PromptSampler
 from fastgrpo.episodes import Episodes, collect_episodes, record_metrics
 from fastgrpo.evaluate import evaluate
-from fastgrpo.kernels import linear_grpo_loss, linear_logprobs
-from fastgrpo.kernels.logprobs import training_backend
-from fastgrpo.losses import GlobalCounts, token_weights, truncated_importance_weights
-from fastgrpo.metrics import JsonlSink, drop_records_after, ProgressBar, StepMetrics, Timer, WandbSink, device_peak_flops, update_flops
+from fastgrpo.metrics import RunLog, StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
-from fastgrpo.packing import MicroBatch, pack, plan_microbatches, split_to_count
 from fastgrpo.parallelize import parallelize_model, uses_fsdp
 from fastgrpo.rewards import load_reward_funcs
-from fastgrpo.rollout import SamplingParams, build_engine
+from fastgrpo.rollout import EngineSetup, RolloutEngine, SamplingParams, build_engine
+from fastgrpo.update import GRPOBatch, grpo_update
 
 # Test hook: SIGKILL this process in the middle of the given step (after its rollout, before its update), so the
 # kill-and-resume test is deterministic.
@@ -53,23 +49,19 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, tota
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def resolve_head_backend(name: str, device: torch.device) -> str:
-    """The kernel path of the policy loss *and* of the old / reference log-probs: one numerics for both, so that
-    ``exp(logp - old)`` is exactly 1 while the policy has not moved. ``auto``: cublas on CUDA, torch elsewhere."""
-    return training_backend(device) if name == "auto" else name
-
-
 class Trainer:
-    """Composes the components from a TrainConfig and runs the loop. ``run()`` returns the last metrics."""
+    """Composes the components from a TrainConfig and runs the loop. ``run()`` returns the last metrics.
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    ``engine``: a rollout engine to use instead of building ``rollout.engine`` (tests inject scripted ones).
+    """
+
+    def __init__(self, cfg: TrainConfig, engine: RolloutEngine | None = None) -> None:
         self.cfg = cfg
         self.device = fdist.init_distributed(cfg.device).device  # idempotent; train.py initialises it first
         self.rank, self.world_size = fdist.get_rank(), fdist.get_world_size()
         self.run_dir = cfg.run_dir
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
-        self.head_backend = resolve_head_backend(cfg.grpo.head_backend, self.device)
 
         # Cheap checks first: data and rewards fail before any model loads.
         self.reward_funcs = load_reward_funcs(cfg.rewards.funcs)
@@ -102,35 +94,15 @@ class Trainer:
         self._resume()
 
         self.prompt_cache: dict[int, tuple[str, list[int]]] = {}
-        self.engine = self._build_engine()
+        if engine is None:
+            engine = build_engine(cfg.rollout.engine, EngineSetup(
+                cfg=cfg.rollout, model=self.model, tokenizer=self.tokenizer, seed=cfg.seed, rank=self.rank,
+                world_size=self.world_size, model_path=lambda: resolve_model_path(cfg.model, seed=cfg.seed),
+                prompt_token_bound=self.prompt_token_bound))
+        self.engine = engine
+        self.engine.sync_from(self.model)  # the policy may differ from the files the engine loaded (resume)
 
     # ------------------------------------------------------------------------------------------------ setup
-
-    def _build_engine(self):
-        r = self.cfg.rollout
-        if r.engine == "hf":
-            return build_engine("hf", model=self.model, tokenizer=self.tokenizer, batch_size=r.batch_size)
-        # The context must hold the longest prompt of either split plus a full completion: checked (or derived)
-        # here, before the engine allocates anything.
-        longest = max(len(ids) for ids in self.prompts(range(len(self.train_rows)), self.train_rows)[1]
-                      + self.prompts(range(len(self.eval_rows)), self.eval_rows)[1])
-        needed = longest + r.max_completion_length
-        if r.max_model_len is not None and r.max_model_len < needed:
-            raise ValueError(f"rollout.max_model_len={r.max_model_len} is shorter than the longest prompt "
-                             f"({longest} tokens) + rollout.max_completion_length ({r.max_completion_length})")
-        engine = build_engine(
-            "vllm", model_path=str(resolve_model_path(self.cfg.model, seed=self.cfg.seed)), tokenizer=self.tokenizer,
-            seed=self.cfg.seed + self.rank, gpu_memory_utilization=r.gpu_memory_utilization,
-            max_model_len=r.max_model_len or needed, enable_prefix_caching=r.enable_prefix_caching,
-            sleep_level=r.sleep_level, sync_bucket_mb=r.sync_bucket_mb, rank=self.rank,
-            world_size=self.world_size, enforce_eager=r.enforce_eager)
-        engine.update_weights(self._full_weights())  # the policy may differ from the files (resume)
-        return engine
-
-    def _full_weights(self):
-        from fastgrpo.rollout.weight_sync import iter_full_tensors
-
-        return iter_full_tensors(self.model)
 
     def _resume(self) -> None:
         path = ckpt.resolve_resume(self.cfg.checkpoint.resume, self.run_dir / "checkpoints")
@@ -157,15 +129,24 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ phases
 
+    def _render(self, row: dict) -> str:
+        return render_prompt(row, template=self.cfg.data.template, system_prompt=self.cfg.data.system_prompt,
+                             tokenizer=self.tokenizer, task=row.get("task", "countdown"))
+
+    def prompt_token_bound(self) -> int:
+        """An upper bound on the token count of every prompt of both splits, without tokenizing them (that took
+        13 s for the 10k countdown rows, rendering 1 s): byte-level BPE and byte-fallback SentencePiece tokens each
+        cover at least one UTF-8 byte of the text, plus one for SentencePiece's leading word marker. Loose (about
+        4 bytes per token in English); the engine checks every request's true length anyway."""
+        return max((len(self._render(r).encode("utf-8")) for r in self.train_rows + self.eval_rows), default=0) + 1
+
     def prompts(self, indices: list[int], rows: list[dict]) -> tuple[list[str], list[list[int]]]:
         """Render and tokenize prompts of ``rows`` (the train or the eval split), cached per row."""
         texts, ids = [], []
         for i in indices:
             key = i if rows is self.train_rows else -1 - i
             if key not in self.prompt_cache:
-                text = render_prompt(rows[i], template=self.cfg.data.template,
-                                     system_prompt=self.cfg.data.system_prompt, tokenizer=self.tokenizer,
-                                     task=rows[i].get("task", "countdown"))
+                text = self._render(rows[i])
                 self.prompt_cache[key] = (text, self.tokenizer(text, add_special_tokens=False)["input_ids"])
             texts.append(self.prompt_cache[key][0])
             ids.append(self.prompt_cache[key][1])
@@ -191,88 +172,20 @@ class Trainer:
         """Sum a (CPU) tensor over ranks, on this rank's device (NCCL reduces CUDA tensors only)."""
         return fdist.all_reduce_(t.to(self.device), "sum").to(t.device)
 
-    def _microbatches(self, ep: Episodes) -> list[MicroBatch]:
-        seq_lens = [len(p) + len(c) for p, c in zip(ep.prompt_ids, ep.completion_ids)]
-        bins = plan_microbatches(seq_lens, self.cfg.grpo.max_tokens_per_microbatch)
-        # FSDP: every rank must run the same number of forward/backward calls (collectives per block)
-        bins = split_to_count(bins, seq_lens, fdist.all_reduce_int(len(bins), "max", device=self.device))
-        return pack(ep.prompt_ids, ep.completion_ids, bins, device=self.device,
-                    pad_token_id=self.tokenizer.pad_token_id or 0)
-
-    @torch.no_grad()
-    def logprobs(self, model: torch.nn.Module, mbs: list[MicroBatch], num_tokens: int) -> torch.Tensor:
-        """Per-token log-probs [N] of the completion tokens under ``model`` (no [N, V] tensor)."""
-        out = torch.zeros(num_tokens, dtype=torch.float32, device=self.device)
-        temperature = self.cfg.rollout.temperature
-        for mb in mbs:
-            # packed_forward runs trunk -> hidden [n, H] of completion positions -> fn(hidden, lm_head.weight)
-            # inside FSDP's hooks, so sharded (and tied) weights are gathered for the head too.
-            lp = model.packed_forward(mb, lambda h, w: linear_logprobs(h, w, mb.targets, temperature=temperature,
-                                                                       backend=self.head_backend))
-            out[mb.flat_index] = lp
-        return out
-
     def policy_update(self, ep: Episodes, metrics: StepMetrics) -> None:
-        g = self.cfg.grpo
-        lengths = ep.lengths  # [S]
-        n_tok = int(lengths.sum())  # N on this rank
-        counts = GlobalCounts(num_sequences=fdist.all_reduce_int(ep.num_sequences, "sum", device=self.device),
-                              num_tokens=fdist.all_reduce_int(n_tok, "sum", device=self.device),
-                              max_completion_length=self.cfg.rollout.max_completion_length)
-        weights = token_weights(g.loss_type, lengths, counts).to(self.device)  # [N]
-        adv = torch.repeat_interleave(ep.adv.advantages, lengths).to(self.device)  # [N]
-        mbs = self._microbatches(ep)
-
-        self.model.train()
-        ref_lp = self.logprobs(self.ref_model, mbs, n_tok) if self.ref_model is not None else None
-        old_lp = None
-        if g.num_iterations > 1 or ep.sampler_logprobs is not None:
-            old_lp = self.logprobs(self.model, mbs, n_tok)
-        if ep.sampler_logprobs is not None:  # truncated importance sampling: sampler != trainer numerics
-            is_w = truncated_importance_weights(old_lp, ep.sampler_logprobs.to(self.device),
-                                                self.cfg.rollout.importance_sampling_cap)
-            metrics.add("is/weight_mean", is_w.mean())
-            weights = weights * is_w
-            if g.num_iterations == 1:
-                old_lp = None  # mu = 1: old = logp.detach(), exactly as without the correction
-
-        for _ in range(g.num_iterations):
-            self.optimizer.zero_grad(set_to_none=True)
-            for mb in mbs:
-                i = mb.flat_index
-
-                def head_loss(hidden, weight, mb=mb, i=i):  # hidden [n, H], weight [V, H]
-                    return linear_grpo_loss(
-                        hidden, weight, mb.targets, adv[i], weights[i],
-                        old_logprobs=None if old_lp is None else old_lp[i],
-                        ref_logprobs=None if ref_lp is None else ref_lp[i],
-                        epsilon_low=g.epsilon_low, epsilon_high=g.epsilon_high, delta=g.delta, beta=g.beta,
-                        temperature=self.cfg.rollout.temperature, backend=self.head_backend)
-
-                loss, stats = self.model.packed_forward(mb, head_loss)
-                loss.backward()
-                n = float(mb.targets.numel())
-                metrics.total("loss", loss / g.num_iterations)  # each is a share of the global-batch loss
-                for key in ("clip_low_frac", "clip_high_frac", "kl_mean"):
-                    if key in stats:
-                        metrics.add(f"policy/{key}", stats[key], n)
-            max_norm = self.cfg.optim.max_grad_norm
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else 1e30)
-            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-                grad_norm = grad_norm.full_tensor()
-            metrics.set("policy/grad_norm", grad_norm)
-            metrics.host("lr", self.scheduler.get_last_lr()[0])
-            self.optimizer.step()
-            self.scheduler.step()
-        metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_tokens for mb in mbs))))
+        """``grpo.num_iterations`` optimizer updates on this step's episodes (:func:`fastgrpo.update.grpo_update`)."""
+        batch = GRPOBatch(prompt_ids=ep.prompt_ids, completion_ids=ep.completion_ids,
+                          advantages=ep.adv.advantages, sampler_logprobs=ep.sampler_logprobs)
+        grpo_update(self.model, batch, grpo=self.cfg.grpo, rollout=self.cfg.rollout, optimizer=self.optimizer,
+                    scheduler=self.scheduler, max_grad_norm=self.cfg.optim.max_grad_norm, metrics=metrics,
+                    device=self.device, ref_model=self.ref_model, pad_token_id=self.tokenizer.pad_token_id or 0)
 
     def sync_weights(self, metrics: StepMetrics) -> None:
-        """Push new policy weights into a separate inference engine (the hf engine shares the model: no-op)."""
-        if self.cfg.rollout.engine == "hf":
-            return
+        """Give the rollout engine the new policy weights (a no-op for an engine that shares the model)."""
         with Timer() as t:
-            self.engine.update_weights(self._full_weights())
-        metrics.host("time/sync_s", t.seconds)
+            copied = self.engine.sync_from(self.model)
+        if copied:
+            metrics.host("time/sync_s", t.seconds)
 
     # ------------------------------------------------------------------------------------------------ loop
 
@@ -283,20 +196,10 @@ class Trainer:
                 print(f"[fastgrpo] {self.run_dir} is already at step {self.step} >= max_steps={cfg.max_steps}; "
                       "nothing to do (raise max_steps to train further)", flush=True)
             return {}
-        sinks = []
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            for log in ("metrics.jsonl", "completions.jsonl"):  # a resumed run redoes the steps after its checkpoint
-                drop_records_after(self.run_dir / log, self.step)
-            (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-            if "jsonl" in cfg.log.report_to:
-                sinks.append(JsonlSink(self.run_dir / "metrics.jsonl"))
-            if "wandb" in cfg.log.report_to:
-                sinks.append(WandbSink(cfg.log.wandb_project, cfg.name, to_dict(cfg), self.run_dir))
-        completions_sink = JsonlSink(self.run_dir / "completions.jsonl") if self.is_main else None
-        bar = ProgressBar(cfg.max_steps, self.step, enabled=self.is_main and cfg.log.progress)
+        log = RunLog(self.run_dir, report_to=cfg.log.report_to, name=cfg.name, project=cfg.log.wandb_project,
+                     config=to_dict(cfg), step=self.step, max_steps=cfg.max_steps, enabled=self.is_main,
+                     progress=cfg.log.progress)
         record: dict[str, float] = {}
-        kill_at = int(os.environ.get(_FAULT_ENV, "-1"))
         self._sigterm = False
         previous = None
         if threading.current_thread() is threading.main_thread():
@@ -304,44 +207,15 @@ class Trainer:
             previous = signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_sigterm", True))
         try:
             while self.step < cfg.max_steps:
-                metrics = StepMetrics()
-                with Timer() as t_roll:
-                    ep = self.rollout()
-                if self.step + 1 == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                with Timer() as t_upd:
-                    self.policy_update(ep, metrics)
-                self.sync_weights(metrics)
-                self.step += 1
-                record_metrics(ep, metrics)
-                metrics.total("perf/rollout_tokens", ep.lengths.sum().float())
-                metrics.host("time/rollout_s", t_roll.seconds)
-                metrics.host("time/update_s", t_upd.seconds)
-                if self.peak_flops:  # CUDA only: model FLOPs utilisation of the policy update on this rank
-                    flops = self.cfg.grpo.num_iterations * update_flops(
-                        self.model, [len(p) for p in ep.prompt_ids], ep.lengths.tolist())
-                    metrics.set("perf/mfu", torch.tensor(flops / max(t_upd.seconds, 1e-9) / self.peak_flops,
-                                                         device=self.device))
-                record = {"step": self.step, **metrics.reduce()}
-                # token counts are totals over ranks; ranks run in lockstep, so rank 0's seconds are the step's
-                record["perf/rollout_tokens_per_s"] = record["perf/rollout_tokens"] / max(t_roll.seconds, 1e-9)
-                record["perf/update_tokens_per_s"] = (record["perf/update_tokens"] * self.cfg.grpo.num_iterations
-                                                      / max(t_upd.seconds, 1e-9))
-                record["perf/tokens_per_s"] = ((record["perf/rollout_tokens"] + record["perf/update_tokens"])
-                                               / max(t_roll.seconds + t_upd.seconds, 1e-9))
-                record["data/skipped_rows"] = float(self.data_info.get("skipped_invalid_rows", 0))
+                record, ep = self.train_step()
                 if self._due(cfg.eval.every):
                     record.update(self.evaluate())
-                for s in sinks:
-                    s.write(record)
-                if completions_sink is not None:
-                    self._log_completions(completions_sink, ep)
-                bar.update(record)
+                log.write(record, self._sample_completions(ep) if self.is_main else [])
                 if self._stop_requested():
                     self._save()
                     if self.is_main:
-                        bar.write(f"[fastgrpo] SIGTERM: saved step {self.step} to {self.run_dir / 'checkpoints'}; "
-                                  "run the same command again to resume")
+                        log.bar.write(f"[fastgrpo] SIGTERM: saved step {self.step} to "
+                                      f"{self.run_dir / 'checkpoints'}; run the same command again to resume")
                     return record
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.max_steps:
                     self._save()
@@ -351,11 +225,35 @@ class Trainer:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
-            bar.close()
-            for s in sinks:
-                s.close()
-            if completions_sink is not None:
-                completions_sink.close()
+            log.close()
+        return record
+
+    def train_step(self) -> tuple[dict[str, float], Episodes]:
+        """One step: rollout -> policy update -> weight sync. Returns the step's record (metrics reduced over ranks,
+        timings, throughput) and its episodes."""
+        metrics = StepMetrics()
+        with Timer() as t_roll:
+            ep = self.rollout()
+        if self.step + 1 == int(os.environ.get(_FAULT_ENV, "-1")):
+            os.kill(os.getpid(), signal.SIGKILL)
+        with Timer() as t_upd:
+            self.policy_update(ep, metrics)
+        self.sync_weights(metrics)
+        self.step += 1
+        return self._record(ep, metrics, t_roll.seconds, t_upd.seconds), ep
+
+    def _record(self, ep: Episodes, metrics: StepMetrics, rollout_s: float, update_s: float) -> dict[str, float]:
+        record_metrics(ep, metrics)
+        metrics.total("perf/rollout_tokens", ep.lengths.sum().float())
+        metrics.host("time/rollout_s", rollout_s)
+        metrics.host("time/update_s", update_s)
+        if self.peak_flops:  # CUDA only: model FLOPs utilisation of the policy update on this rank
+            flops = self.cfg.grpo.num_iterations * update_flops(
+                self.model, [len(p) for p in ep.prompt_ids], ep.lengths.tolist())
+            metrics.set("perf/mfu", torch.tensor(flops / max(update_s, 1e-9) / self.peak_flops, device=self.device))
+        record = {"step": self.step, **metrics.reduce()}
+        add_throughput(record, rollout_s=rollout_s, update_s=update_s, num_iterations=self.cfg.grpo.num_iterations)
+        record["data/skipped_rows"] = float(self.data_info.get("skipped_invalid_rows", 0))
         return record
 
     def _stop_requested(self) -> bool:
@@ -392,15 +290,13 @@ class Trainer:
         vals = fdist.all_reduce_(torch.tensor([res[k] for k in names], device=self.device), "avg")
         return {f"eval/{k}": float(v) for k, v in zip(names, vals.tolist())}
 
-    def _log_completions(self, sink: JsonlSink, ep: Episodes) -> None:
+    def _sample_completions(self, ep: Episodes) -> list[dict]:
+        """``log.completions_per_step`` completions spread over the batch, for completions.jsonl."""
         k = min(self.cfg.log.completions_per_step, ep.num_sequences)
-        if k == 0:
-            return
-        stride = max(1, ep.num_sequences // k)
-        for s in range(0, stride * k, stride):
-            sink.write({
-                "step": self.step, "prompt": ep.prompt_texts[s], "completion": ep.completion_texts[s],
-                "rewards": {n: float(ep.rewards_per_func[s, j]) for j, n in enumerate(ep.reward_names)},
-                "reward": float(ep.rewards[s]), "advantage": float(ep.adv.advantages[s]),
-                "finish_reason": ep.finish_reasons[s],
-            })
+        stride = max(1, ep.num_sequences // max(k, 1))
+        return [{
+            "step": self.step, "prompt": ep.prompt_texts[s], "completion": ep.completion_texts[s],
+            "rewards": {n: float(ep.rewards_per_func[s, j]) for j, n in enumerate(ep.reward_names)},
+            "reward": float(ep.rewards[s]), "advantage": float(ep.adv.advantages[s]),
+            "finish_reason": ep.finish_reasons[s],
+        } for s in range(0, stride * k, stride)]

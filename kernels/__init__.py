@@ -8,7 +8,7 @@ Imports only torch (and Triton when available), so other trainers can vendor thi
                      ref_logprobs=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
                      temperature=1.0) -> (loss, stats)
 
-Backends (``backend="auto"`` picks):
+Backends (``backend="auto"`` picks; ``resolve_backend(backend, device, needs_grad)`` says which one a call runs):
   ``linear_grpo_loss`` on CUDA with a gradient to take: ``"cublas"`` (``_gradfwd.py``), the gradient formed in
       forward from cuBLAS logits chunk by chunk, three large products in all;
   other CUDA calls: ``"triton"`` (``_triton.py``), online log-sum-exp over vocabulary tiles, logits recomputed in
@@ -17,8 +17,9 @@ Backends (``backend="auto"`` picks):
 ``reference`` holds the plain-torch oracles.
 """
 
-from .grpo_loss import LOSS_BACKENDS, linear_grpo_loss
-from .logprobs import BACKENDS, linear_logprobs
+from .backends import BACKENDS, resolve_backend
+from .grpo_loss import linear_grpo_loss
+from .logprobs import linear_logprobs
 from .reference import reference_linear_grpo_loss, reference_linear_logprobs
 
 __all__ = [
@@ -27,5 +28,5 @@ __all__ = [
     "reference_linear_logprobs",
     "reference_linear_grpo_loss",
     "BACKENDS",
-    "LOSS_BACKENDS",
+    "resolve_backend",
 ]

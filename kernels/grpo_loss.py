@@ -9,7 +9,7 @@ Per token (TRL's objective, so runs are comparable):
     k3     = exp(ref - logp) - (ref - logp) - 1    (only when beta != 0)
     l      = l_pg + beta * k3
 
-Backends (``backend=``):
+Backends (``backend=``, resolved by ``backends.resolve_backend``):
   ``"cublas"``  CUDA default when a gradient is needed (``_gradfwd.py``): the gradient is formed in forward, chunk
                by chunk, from cuBLAS logits; three large products in all, the floor. Zero-weight rows skip the
                softmax work but not the products.
@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from .logprobs import check_inputs, cublas_module, fused_logprobs, resolve_backend, training_backend
+from .backends import cublas_module, resolve_backend
+from .logprobs import check_inputs, fused_logprobs
 
-__all__ = ["linear_grpo_loss", "grpo_token_loss", "LOSS_BACKENDS"]
-
-LOSS_BACKENDS = ("auto", "cublas", "triton", "torch")
+__all__ = ["linear_grpo_loss", "grpo_token_loss"]
 
 
 def grpo_token_loss(logp, advantages, *, old_logprobs, ref_logprobs, epsilon_low, epsilon_high, delta, beta):
@@ -109,7 +108,8 @@ def linear_grpo_loss(
     counted = token_weights != 0  # [N]
     token_kw = dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, epsilon_low=epsilon_low,
                     epsilon_high=epsilon_high, delta=delta, beta=beta)
-    name = _loss_backend(backend, hidden, weight)
+    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    name = resolve_backend(backend, hidden.device, needs_grad=wants_grad)
     if name == "cublas":
         check_inputs(hidden, weight, targets, temperature)
         grad_on = torch.is_grad_enabled()
@@ -139,20 +139,6 @@ def _with_old(logp, counted, old_logprobs):
     # Skipped rows have logp == 0; using old there keeps exp(logp - old) finite (0 * inf would be NaN in the
     # gradient) and the row still gets no gradient through the where.
     return logp if old_logprobs is None else torch.where(counted, logp, old_logprobs.float())
-
-
-def _loss_backend(backend: str, hidden: torch.Tensor, weight: torch.Tensor) -> str:
-    """``"auto"``: ``"cublas"`` on CUDA when a gradient will be taken, ``"triton"`` on CUDA without one, else
-    the chunked torch path."""
-    if backend not in LOSS_BACKENDS:
-        raise ValueError(f"backend must be one of {list(LOSS_BACKENDS)}, got {backend!r}")
-    if backend == "auto":
-        wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-        return training_backend(hidden.device) if wants_grad else resolve_backend("auto", hidden.device)
-    if backend == "cublas":
-        cublas_module(hidden.device)
-        return backend
-    return resolve_backend(backend, hidden.device)
 
 
 class _GradInForwardLoss(torch.autograd.Function):

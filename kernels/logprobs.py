@@ -6,39 +6,19 @@ Shapes: N rows (tokens), H hidden size, V vocabulary size.
     logp[n]    = z[n, targets[n]] - logsumexp(z[n])          # [N] float32
     entropy[n] = logsumexp(z[n]) - sum_v softmax(z[n])_v z[n, v]
 
-Backends (a registry, picked per call): ``"triton"`` (``_triton.py``, CUDA -- or the Triton CPU interpreter
-under ``TRITON_INTERPRET=1``) and ``"torch"`` (``_chunked.py``, chunked plain torch, any device). Both expose
-``forward(...) -> (logp, entropy, lse, sum_pz)`` and ``backward(...) -> (grad_hidden, grad_weight)``; this file
-holds only the dispatch and the thin ``autograd.Function``.
+Backends (picked per call by ``backends.resolve_backend``): ``"triton"`` (``_triton.py``) and ``"torch"``
+(``_chunked.py``) both expose ``forward(...) -> (logp, entropy, lse, sum_pz)`` and ``backward(...) -> (grad_hidden,
+grad_weight)``; ``"cublas"`` (``_gradfwd.py``) runs here forward-only. This file holds the thin
+``autograd.Function`` and the public op.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _chunked
+from .backends import cublas_module, recompute_module, resolve_backend
 
-try:  # Triton is optional: without it every call takes the torch backend.
-    from . import _triton
-except ImportError:  # pragma: no cover - depends on the environment
-    _triton = None
-
-BACKENDS = {"torch": _chunked}
-if _triton is not None:
-    BACKENDS["triton"] = _triton
-
-__all__ = ["linear_logprobs", "BACKENDS"]
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``"auto"`` -> Triton on CUDA tensors when Triton imports, else the chunked torch path."""
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and "triton" in BACKENDS else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-    if backend == "triton" and device.type != "cuda" and not _triton.INTERPRET:
-        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import)")
-    return backend
+__all__ = ["linear_logprobs"]
 
 
 def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> None:
@@ -59,7 +39,7 @@ class FusedLinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, active, temperature, with_entropy, backend, chunk_size):
-        impl = BACKENDS[backend]
+        impl = recompute_module(backend)
         inv_temp = 1.0 / temperature
         logp, entropy, lse, sum_pz = impl.forward(
             hidden, weight, targets, active=active, inv_temp=inv_temp, with_entropy=with_entropy,
@@ -91,7 +71,8 @@ def fused_logprobs(hidden, weight, targets, *, active=None, temperature=1.0, wit
     """Shared entry of both public ops: validates, dispatches, returns ``(logp, entropy)`` (entropy is zeros
     unless ``with_entropy``)."""
     check_inputs(hidden, weight, targets, temperature)
-    name = resolve_backend(backend, hidden.device)
+    # needs_grad=False: "auto" never picks the gradient-in-forward path, which this function has no backward for.
+    name = resolve_backend(backend, hidden.device, needs_grad=False)
     return FusedLinearLogprobs.apply(hidden, weight, targets, active, float(temperature), bool(with_entropy),
                                      name, chunk_size)
 
@@ -134,26 +115,7 @@ def _cublas_logprobs(hidden, weight, targets, temperature, chunk_size):
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         raise ValueError("linear_logprobs(backend='cublas') has no backward (that path forms the gradient of the "
                          "GRPO loss in forward): call it under torch.no_grad() for old / reference log-probs, or "
-                         f"pick 'auto' or one of {sorted(BACKENDS)} for a differentiable result")
+                         "pick 'auto', 'triton' or 'torch' for a differentiable result")
     check_inputs(hidden, weight, targets, temperature)
     return cublas_module(hidden.device).logprobs_pass(hidden, weight, targets, inv_temp=1.0 / float(temperature),
                                                       chunk_size=chunk_size)
-
-
-def cublas_module(device: torch.device):
-    """The ``"cublas"`` path's module (``_gradfwd``), after checking that it can run on ``device``."""
-    try:
-        from . import _gradfwd
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise ValueError("backend='cublas' needs Triton (pip install triton) for its row kernels") from None
-    if device.type != "cuda" and not _gradfwd.INTERPRET:
-        raise ValueError("backend='cublas' needs CUDA tensors (or TRITON_INTERPRET=1 set before import)")
-    return _gradfwd
-
-
-def training_backend(device: torch.device) -> str:
-    """The path ``linear_grpo_loss(backend="auto")`` takes on ``device`` when a gradient will be taken: the
-    gradient-in-forward ``"cublas"`` path on CUDA (when Triton imports), else what ``"auto"`` resolves to."""
-    if device.type == "cuda" and "triton" in BACKENDS:
-        return "cublas"
-    return resolve_backend("auto", device)

@@ -6,6 +6,12 @@ Subprocesses inherit OMP_NUM_THREADS.
 """
 
 import os
+import sys
+from pathlib import Path
+
+# The repository root, for `benchmarks.*` (tests share the benchmarks' setup). fastgrpo and fastgrpo.kernels
+# need nothing: the package is always installed (editable).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

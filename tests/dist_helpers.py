@@ -1,4 +1,5 @@
-"""One GRPO-like training step on a tiny Qwen2, shared by the single-process oracle and the FSDP2 workers.
+"""One GRPO update (``fastgrpo.update.grpo_update``, the trainer's own) on a tiny Qwen2, shared by the
+single-process oracle and the FSDP2 workers.
 
 Run as a script by ``tests/test_fsdp.py`` once per rank with torchrun's environment variables set
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); rank 0 saves gathered gradients and parameters to ``--out``.
@@ -15,9 +16,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from fastgrpo import distributed as fdist  # noqa: E402
-from fastgrpo.config import ParallelConfig  # noqa: E402
-from fastgrpo.packing import pack, partition_balanced, plan_microbatches, split_to_count  # noqa: E402
+from fastgrpo.config import GRPOConfig, ParallelConfig, RolloutConfig  # noqa: E402
+from fastgrpo.metrics import StepMetrics  # noqa: E402
+from fastgrpo.packing import partition_balanced, plan_microbatches  # noqa: E402
 from fastgrpo.parallelize import parallelize_model  # noqa: E402
+from fastgrpo.update import GRPOBatch, grpo_update  # noqa: E402
 
 VOCAB = 131
 NUM_SEQS = 10
@@ -37,7 +40,7 @@ def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
 
 
 def problem(seed: int = 0):
-    """Sequences, global token weights (dapo: 1 / sum L) and advantages for the whole (global) batch."""
+    """Prompts, completions and one advantage per sequence for the whole (global) batch."""
     g = torch.Generator().manual_seed(seed)
 
     def seq(lo: int, hi: int) -> list[int]:
@@ -45,42 +48,30 @@ def problem(seed: int = 0):
 
     prompts = [seq(1, 12) for _ in range(NUM_SEQS)]
     completions = [seq(1, 16) for _ in range(NUM_SEQS)]
-    lengths = [len(c) for c in completions]
-    weights = [torch.full((n,), 1.0 / sum(lengths)) for n in lengths]  # per sequence: [L_i]
-    advantages = [torch.full((n,), float(a)) for n, a in zip(lengths, torch.randn(NUM_SEQS, generator=g))]
-    return prompts, completions, weights, advantages
+    advantages = torch.randn(NUM_SEQS, generator=g)  # [S]
+    return prompts, completions, advantages
 
 
 def clean_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
-def train_step(model: torch.nn.Module, seqs: list[int], *, budget: int, num_microbatches: int | None = None,
-               seed: int = 0) -> int:
-    """Forward/backward over ``seqs`` (indices into the global batch) in packed micro-batches; returns the count.
+def train_step(model: torch.nn.Module, seqs: list[int], *, budget: int, seed: int = 0) -> int:
+    """The trainer's GRPO update (dapo token weights over the global batch, SGD, no clipping) on ``seqs``
+    (indices into the global batch); returns the number of micro-batches it ran.
 
-    Local tensors are gathered into this rank's flat layout; the weights are the global ones, so summing the
+    Gradients are left in ``.grad`` after the step. The token weights are normalised over all ranks, so summing the
     ranks' gradients gives the full-batch gradient.
     """
-    prompts, completions, weights, advantages = problem(seed)
-    P = [prompts[i] for i in seqs]
-    C = [completions[i] for i in seqs]
-    w = torch.cat([weights[i] for i in seqs]) if seqs else torch.zeros(0)  # [F_local]
-    adv = torch.cat([advantages[i] for i in seqs]) if seqs else torch.zeros(0)  # [F_local]
-    lengths = [len(p) + len(c) for p, c in zip(P, C)]
-    bins = plan_microbatches(lengths, budget)
-    n = fdist.all_reduce_int(len(bins), "max") if num_microbatches is None else num_microbatches
-    bins = split_to_count(bins, lengths, n)
-    forward = getattr(model, "packed_forward")
-
-    for mb in pack(P, C, bins, "cpu"):
-        def head(hidden: torch.Tensor, weight: torch.Tensor, mb=mb) -> torch.Tensor:
-            logp = torch.log_softmax(hidden @ weight.T, -1).gather(1, mb.targets[:, None])[:, 0]  # [N]
-            ratio = torch.exp(logp - logp.detach())  # GRPO with old = logp.detach()
-            return -(w[mb.flat_index] * adv[mb.flat_index] * ratio).sum()
-
-        forward(mb, head).backward()
-    return len(bins)
+    prompts, completions, advantages = problem(seed)
+    batch = GRPOBatch(prompt_ids=[prompts[i] for i in seqs], completion_ids=[completions[i] for i in seqs],
+                      advantages=advantages[seqs])
+    mbs = grpo_update(model, batch, grpo=GRPOConfig(loss_type="dapo", max_tokens_per_microbatch=budget,
+                                                    head_backend="torch"),
+                      rollout=RolloutConfig(max_completion_length=16),
+                      optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                      max_grad_norm=0.0, metrics=StepMetrics(), device="cpu")
+    return len(mbs)
 
 
 SCENARIOS = {
@@ -112,14 +103,13 @@ def run_scenario(cfg: ParallelConfig, how: str, info: fdist.DistInfo) -> dict:
     tied_after_shard = model.lm_head.weight is model.model.embed_tokens.weight
 
     # Budget 40 gives the ranks different bin counts, which train_step evens out.
-    prompts, completions, _, _ = problem()
+    prompts, completions, _ = problem()
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     mine = split_sequences(lengths, how, info.rank, info.world_size)
     count = train_step(model, mine, budget=40)
     own_bins = len(plan_microbatches([lengths[i] for i in mine], 40))
 
     grads = {clean_name(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
-    torch.optim.SGD(model.parameters(), lr=LR).step()
     params = {clean_name(n): full(p).detach().clone() for n, p in model.named_parameters()}
     counts = torch.tensor([own_bins, count])
     gathered = [torch.zeros_like(counts) for _ in range(info.world_size)]

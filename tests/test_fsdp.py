@@ -1,4 +1,5 @@
-"""FSDP2 with 2 gloo processes on CPU: gradients and the optimizer step equal the single-process ones.
+"""FSDP2 with 2 gloo processes on CPU: the trainer's GRPO update (``fastgrpo.update.grpo_update``) gives the
+single-process gradients and optimizer step.
 
 The loss uses global token weights, so world size 1 and 2 must give the same gradient; that also checks the
 sum (not average) gradient reduction, the equal micro-batch count across ranks, and that tied embeddings stay
@@ -32,9 +33,8 @@ def oracle():
     """Single process, plain module, all sequences in one step (tiny budget: many micro-batches)."""
     torch.set_num_threads(1)
     model = parallelize_model(dh.tiny_qwen2(), ParallelConfig(), device="cpu", world_size=1)
-    dh.train_step(model, list(range(dh.NUM_SEQS)), budget=25, num_microbatches=None)
+    dh.train_step(model, list(range(dh.NUM_SEQS)), budget=25)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    torch.optim.SGD(model.parameters(), lr=dh.LR).step()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return grads, params
 

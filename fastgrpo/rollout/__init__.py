@@ -1,18 +1,16 @@
-"""Rollout engines, keyed by name. Engines import their heavy dependencies lazily."""
+"""Rollout engines, keyed by name in ENGINES. Each engine module registers itself on import; engines import their
+heavy dependencies (vllm) lazily."""
 
-from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingParams
+from fastgrpo.rollout.base import (ENGINES, Completion, EngineSetup, RolloutEngine, SamplingParams,
+                                   register_engine)
+from fastgrpo.rollout import hf as _hf, vllm as _vllm  # noqa: E402,F401  (registration)
 
-__all__ = ["Completion", "RolloutEngine", "SamplingParams", "build_engine"]
+__all__ = ["ENGINES", "Completion", "EngineSetup", "RolloutEngine", "SamplingParams", "build_engine",
+           "register_engine"]
 
 
-def build_engine(name: str, **kwargs) -> RolloutEngine:
-    """Construct the engine registered under ``name`` ('hf' or 'vllm')."""
-    if name == "hf":
-        from fastgrpo.rollout.hf import HFEngine
-
-        return HFEngine(**kwargs)
-    if name == "vllm":
-        from fastgrpo.rollout.vllm import VLLMEngine
-
-        return VLLMEngine(**kwargs)
-    raise ValueError(f"rollout.engine: unknown engine {name!r} (hf, vllm)")
+def build_engine(name: str, setup: EngineSetup) -> RolloutEngine:
+    """Construct the engine registered under ``name`` for a training run."""
+    if name not in ENGINES:
+        raise ValueError(f"rollout.engine: unknown engine {name!r} ({', '.join(sorted(ENGINES))})")
+    return ENGINES[name].from_setup(setup)

@@ -1,15 +1,21 @@
-"""The RolloutEngine interface: G completions per pre-tokenized prompt.
+"""The RolloutEngine interface (G completions per pre-tokenized prompt) and the ENGINES registry.
 
 Legend: B prompts, G completions per prompt, L completion length.
+
+An engine registers itself with ``@register_engine(name)``; ``rollout.engine`` accepts every registered name, and
+the trainer builds the engine with ``ENGINES[name].from_setup(EngineSetup(...))``, so a new engine is one file.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
+from torch import nn
+
+from fastgrpo.config import RolloutConfig
 
 
 @dataclass(kw_only=True)
@@ -42,8 +48,49 @@ class Completion:
     """Sampler log-prob of each token in token_ids (after temperature), when asked for."""
 
 
+@dataclass(kw_only=True)
+class EngineSetup:
+    """What the trainer hands an engine's :meth:`RolloutEngine.from_setup`; the callables cost work only if called."""
+
+    cfg: RolloutConfig
+    """The rollout section of the run's config."""
+    model: nn.Module
+    """The live (parallelized) policy."""
+    tokenizer: Any
+    """The policy's tokenizer."""
+    model_path: Callable[[], str]
+    """The policy's local Hugging Face folder (the tiny model is built on first use)."""
+    prompt_token_bound: Callable[[], int]
+    """An upper bound on the token count of every prompt of both splits (see Trainer.prompt_token_bound)."""
+    seed: int
+    """The run's seed."""
+    rank: int = 0
+    """This process's rank."""
+    world_size: int = 1
+    """Number of ranks."""
+
+
 class RolloutEngine(abc.ABC):
     """Generates completions with the current policy weights."""
+
+    @classmethod
+    def from_setup(cls, setup: EngineSetup) -> "RolloutEngine":
+        """Build the engine for a training run (the trainer then calls :meth:`sync_from` once)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from a training config; pass it to Trainer")
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Cheap check, before any model loads: ImportError with the install command if a dependency is missing."""
+
+    def sync_from(self, model: nn.Module) -> bool:
+        """Make the engine sample from ``model``'s current weights; returns whether weights were copied.
+
+        Default: :meth:`update_weights` with the full tensors (FSDP2 shards gathered). Engines that generate
+        with the policy module itself override this with a no-op."""
+        from fastgrpo.rollout.weight_sync import iter_full_tensors
+
+        self.update_weights(iter_full_tensors(model))
+        return True
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
@@ -68,3 +115,17 @@ class RolloutEngine(abc.ABC):
 
     def wake(self) -> None:
         """Re-acquire generation memory before the next rollout."""
+
+
+ENGINES: dict[str, type[RolloutEngine]] = {}
+"""Engine name (the choices of rollout.engine) -> engine class."""
+
+
+def register_engine(name: str) -> Callable[[type[RolloutEngine]], type[RolloutEngine]]:
+    """Class decorator: make ``name`` a valid ``rollout.engine``."""
+
+    def deco(cls: type[RolloutEngine]) -> type[RolloutEngine]:
+        ENGINES[name] = cls
+        return cls
+
+    return deco

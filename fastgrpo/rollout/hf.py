@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingParams
+from fastgrpo.model import decoding_attn_implementation
+from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
 
 __all__ = ["HFEngine", "sample_next"]
 
@@ -93,19 +94,21 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams,
 
 @contextlib.contextmanager
 def _decoding_attention(model: nn.Module) -> Iterator[None]:
-    """Decode with sdpa when the model trains with flex_attention (the packed-training choice on CUDA without
-    flash-attn): flex's compiled kernels are specialised to shapes, and a KV cache changes shape every token."""
+    """Decode with the attention implementation the backend table names for decoding (sdpa for a model that
+    trains with flex_attention), restoring the training one afterwards."""
     impl = getattr(model.config, "_attn_implementation", None)
-    if impl != "flex_attention" or not hasattr(model, "set_attn_implementation"):
+    decode = decoding_attn_implementation(impl)
+    if decode == impl or not hasattr(model, "set_attn_implementation"):
         yield
         return
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(decode)
     try:
         yield
     finally:
         model.set_attn_implementation(impl)
 
 
+@register_engine("hf")
 class HFEngine(RolloutEngine):
     """Generates with the policy module itself (single process or FSDP2, no copy of the weights).
 
@@ -125,6 +128,13 @@ class HFEngine(RolloutEngine):
         self.pad_id = pad if pad is not None else self.eos_ids[0]  # any id works: pad positions are masked
         # Only the last position's logits are needed; skip the [N, P, V] prefill logits where supported.
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    @classmethod
+    def from_setup(cls, setup: EngineSetup) -> "HFEngine":
+        return cls(setup.model, setup.tokenizer, batch_size=setup.cfg.batch_size)
+
+    def sync_from(self, model: nn.Module) -> bool:
+        return False  # generates with the policy module itself
 
     # -- RolloutEngine ----------------------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingParams
+from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
 from fastgrpo.rollout.weight_sync import bucket_by_layer, clean_param_name, tensor_bytes
 
 __all__ = ["VLLMEngine", "import_vllm"]
@@ -177,6 +177,7 @@ _WEIGHT_LOADERS: dict[str, Callable[[Any, list[tuple[str, torch.Tensor]]], None]
 }
 
 
+@register_engine("vllm")
 class VLLMEngine(RolloutEngine):
     """Colocated vLLM engine (one per rank); see the module docstring.
 
@@ -294,9 +295,33 @@ class VLLMEngine(RolloutEngine):
 
     # -- lengths --------------------------------------------------------------------------------------------------
 
+    @classmethod
+    def check_available(cls) -> None:
+        check_vllm_available()
+
+    @classmethod
+    def from_setup(cls, setup: EngineSetup) -> "VLLMEngine":
+        r = setup.cfg
+        model_path = setup.model_path()
+        max_model_len = r.max_model_len
+        if max_model_len is None:
+            # A bound, not the exact longest prompt: finding that would tokenize every row of both splits at
+            # start-up. A larger context costs vLLM nothing until it is used (KV blocks are allocated per
+            # request); the model's own limit caps it, and generate() checks every request against it.
+            text_cfg = _read_hf_config(model_path)
+            text_cfg = text_cfg.get("text_config", text_cfg)
+            max_model_len = setup.prompt_token_bound() + r.max_completion_length
+            if text_cfg.get("max_position_embeddings"):
+                max_model_len = min(max_model_len, int(text_cfg["max_position_embeddings"]))
+        return cls(model_path, tokenizer=setup.tokenizer, seed=setup.seed + setup.rank,
+                   gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=max_model_len,
+                   enable_prefix_caching=r.enable_prefix_caching, sleep_level=r.sleep_level,
+                   sync_bucket_mb=r.sync_bucket_mb, rank=setup.rank, world_size=setup.world_size,
+                   enforce_eager=r.enforce_eager)
+
     def check_lengths(self, prompt_len: int, max_completion_length: int) -> None:
         """Raise ValueError unless a ``prompt_len``-token prompt plus ``max_completion_length`` new tokens fit
-        in the engine's context (the trainer calls this once, with its longest prompt)."""
+        in the engine's context (every :meth:`generate` checks its longest prompt)."""
         if prompt_len + max_completion_length > self.max_model_len:
             raise ValueError(
                 f"rollout.max_model_len={self.max_model_len} is shorter than the longest prompt ({prompt_len} "

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from benchmarks.harness import Shape, make_inputs
-from fastgrpo.kernels import linear_grpo_loss, linear_logprobs
-from fastgrpo.kernels.grpo_loss import _loss_backend, grpo_token_loss
+from fastgrpo.kernels import linear_grpo_loss, linear_logprobs, resolve_backend
+from fastgrpo.kernels.grpo_loss import grpo_token_loss
 
 _gradfwd = pytest.importorskip("fastgrpo.kernels._gradfwd", reason="needs triton")
 
@@ -45,9 +45,8 @@ def test_closed_form_coefficient_equals_autograd(case):
 def test_backend_selection_and_errors():
     inp = make_inputs(Shape(n=8, h=16, v=40), dtype=torch.float32, seed=1)
     h, w = inp["hidden"], inp["weight"]
-    assert _loss_backend("auto", h, w) == "torch"  # CPU
-    with torch.no_grad():
-        assert _loss_backend("auto", h, w) == "torch"
+    assert resolve_backend("auto", h.device, needs_grad=True) == "torch"  # CPU
+    assert resolve_backend("auto", h.device, needs_grad=False) == "torch"
     args = [inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")]
     if not _gradfwd.INTERPRET:
         with pytest.raises(ValueError, match="cublas.*CUDA"):

@@ -1,0 +1,157 @@
+"""The optimizer update on packed micro-batches: a loss-agnostic core and the GRPO update built on it.
+
+Legend: S sequences on this rank, N completion (target) tokens on this rank (flat layout: sequence i's tokens are
+contiguous), n target tokens of one micro-batch, H hidden size, V vocabulary size.
+
+    plan_packed        sequences -> micro-batches; every rank gets the same count (FSDP collectives per forward)
+    packed_logprobs    no-grad log-probs [N] of the target tokens (old / reference passes)
+    optimizer_update   zero grads -> per micro-batch: model.packed_forward(mb, head_loss) -> backward -> clip ->
+                       optimizer step; any token loss whose gradient sums over micro-batches (GRPO, SFT, ...)
+    grpo_update        token weights, advantages, old / ref log-probs, importance weights, then num_iterations
+                       optimizer_update calls with the fused GRPO loss
+
+The trainer, the golden test and the FSDP test all call these functions, so "1 process equals 2 ranks" and the
+golden figures are checked on the code that trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+
+from fastgrpo import distributed as fdist
+from fastgrpo.config import GRPOConfig, RolloutConfig
+from fastgrpo.kernels import linear_grpo_loss, linear_logprobs, resolve_backend
+from fastgrpo.losses import GlobalCounts, token_weights, truncated_importance_weights
+from fastgrpo.metrics import StepMetrics
+from fastgrpo.packing import MicroBatch, pack, plan_microbatches, split_to_count
+
+__all__ = ["GRPOBatch", "HeadLoss", "grpo_update", "optimizer_update", "packed_logprobs", "plan_packed"]
+
+HeadLoss = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``head_loss(mb, hidden [n, H], lm_head_weight [V, H]) -> (loss, stats)``: loss a scalar whose gradients add up
+over micro-batches (normalised over the global batch by the caller); stats maps metric names to device scalars,
+each a mean over the micro-batch's n tokens (logged token-weighted)."""
+
+
+def plan_packed(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_tokens: int, *,
+                device: torch.device | str, pad_token_id: int = 0) -> list[MicroBatch]:
+    """First-fit-decreasing micro-batches under ``max_tokens``, split or padded to the same count on every rank."""
+    seq_lens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
+    bins = plan_microbatches(seq_lens, max_tokens)
+    # FSDP: every rank must run the same number of forward/backward calls (collectives per block)
+    bins = split_to_count(bins, seq_lens, fdist.all_reduce_int(len(bins), "max", device=device))
+    return pack(prompt_ids, completion_ids, bins, device=device, pad_token_id=pad_token_id)
+
+
+@torch.no_grad()
+def packed_logprobs(model: torch.nn.Module, mbs: list[MicroBatch], num_tokens: int, *, temperature: float,
+                    backend: str) -> torch.Tensor:
+    """Per-token log-probs [N] float32 of the target tokens under ``model`` (no [N, V] tensor)."""
+    out = torch.zeros(num_tokens, dtype=torch.float32, device=mbs[0].targets.device if mbs else "cpu")
+    for mb in mbs:
+        # packed_forward runs trunk -> hidden [n, H] of target positions -> fn(hidden, lm_head.weight) inside FSDP's
+        # hooks, so sharded (and tied) weights are gathered for the head too.
+        out[mb.flat_index] = model.packed_forward(
+            mb, lambda h, w, mb=mb: linear_logprobs(h, w, mb.targets, temperature=temperature, backend=backend))
+    return out
+
+
+def optimizer_update(model: torch.nn.Module, mbs: list[MicroBatch], head_loss: HeadLoss, *,
+                     optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                     max_grad_norm: float, metrics: StepMetrics, loss_divisor: int = 1) -> None:
+    """One optimizer update: gradients of ``sum over micro-batches of head_loss`` -> clip -> step.
+
+    ``model`` has ``packed_forward`` (``parallelize_model``). Metrics: ``loss`` (the summed loss / loss_divisor: a
+    step of several updates logs their mean), every key of the head's stats, ``policy/grad_norm`` (before clipping)
+    and ``lr`` (the rate this update used). ``max_grad_norm`` 0 disables clipping.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    for mb in mbs:
+        loss, stats = model.packed_forward(mb, partial(head_loss, mb))
+        loss.backward()
+        n = float(mb.targets.numel())
+        metrics.total("loss", loss / loss_divisor)
+        for key, value in stats.items():
+            metrics.add(key, value, n)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else 1e30)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+        grad_norm = grad_norm.full_tensor()
+    metrics.set("policy/grad_norm", grad_norm)
+    metrics.host("lr", optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+
+
+@dataclass(kw_only=True)
+class GRPOBatch:
+    """One rollout batch on this rank, as the update needs it."""
+
+    prompt_ids: list[list[int]]
+    """[S] prompt token ids."""
+    completion_ids: list[list[int]]
+    """[S] completion token ids."""
+    advantages: torch.Tensor
+    """[S] one advantage per sequence."""
+    sampler_logprobs: torch.Tensor | None = None
+    """[N] the sampler's log-probs (truncated importance sampling), or None."""
+
+
+_LOGGED_STATS = ("clip_low_frac", "clip_high_frac", "kl_mean")
+
+
+def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, rollout: RolloutConfig,
+                optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                max_grad_norm: float, metrics: StepMetrics, device: torch.device | str,
+                ref_model: torch.nn.Module | None = None, pad_token_id: int = 0) -> list[MicroBatch]:
+    """``grpo.num_iterations`` optimizer updates on one rollout batch; returns the micro-batches it ran.
+
+    Token weights (``grpo.loss_type``) are normalised over the global batch (all ranks), so the summed gradient
+    does not depend on the micro-batch budget or the world size. Old log-probs are computed once, before the first
+    update, when mu > 1 or for the importance-sampling correction; reference log-probs when ``ref_model`` is given.
+    """
+    lengths = torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.long)  # [S]
+    n_tok = int(lengths.sum())  # N on this rank
+    counts = GlobalCounts(num_sequences=fdist.all_reduce_int(len(lengths), "sum", device=device),
+                          num_tokens=fdist.all_reduce_int(n_tok, "sum", device=device),
+                          max_completion_length=rollout.max_completion_length)
+    weights = token_weights(grpo.loss_type, lengths, counts).to(device)  # [N]
+    adv = torch.repeat_interleave(batch.advantages, lengths).to(device)  # [N]
+    mbs = plan_packed(batch.prompt_ids, batch.completion_ids, grpo.max_tokens_per_microbatch, device=device,
+                      pad_token_id=pad_token_id)
+    # One kernel path for the loss and the old / reference log-probs: exp(logp - old) is exactly 1 while the policy
+    # has not moved.
+    backend = resolve_backend(grpo.head_backend, device, needs_grad=True)
+    logprobs = partial(packed_logprobs, mbs=mbs, num_tokens=n_tok, temperature=rollout.temperature, backend=backend)
+
+    model.train()
+    ref_lp = logprobs(ref_model) if ref_model is not None else None  # [N]
+    old_lp = None
+    if grpo.num_iterations > 1 or batch.sampler_logprobs is not None:
+        old_lp = logprobs(model)  # [N]
+    if batch.sampler_logprobs is not None:  # truncated importance sampling: sampler != trainer numerics
+        is_w = truncated_importance_weights(old_lp, batch.sampler_logprobs.to(device),
+                                            rollout.importance_sampling_cap)
+        metrics.add("is/weight_mean", is_w.mean())
+        weights = weights * is_w
+        if grpo.num_iterations == 1:
+            old_lp = None  # mu = 1: old = logp.detach(), exactly as without the correction
+
+    def head_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor):  # hidden [n, H], weight [V, H]
+        i = mb.flat_index
+        loss, stats = linear_grpo_loss(
+            hidden, weight, mb.targets, adv[i], weights[i],
+            old_logprobs=None if old_lp is None else old_lp[i], ref_logprobs=None if ref_lp is None else ref_lp[i],
+            epsilon_low=grpo.epsilon_low, epsilon_high=grpo.epsilon_high, delta=grpo.delta, beta=grpo.beta,
+            temperature=rollout.temperature, backend=backend)
+        return loss, {f"policy/{k}": stats[k] for k in _LOGGED_STATS}
+
+    for _ in range(grpo.num_iterations):
+        optimizer_update(model, mbs, head_loss, optimizer=optimizer, scheduler=scheduler,
+                         max_grad_norm=max_grad_norm, metrics=metrics, loss_divisor=grpo.num_iterations)
+    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_tokens for mb in mbs))))
+    return mbs
