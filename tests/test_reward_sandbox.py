@@ -59,15 +59,15 @@ PLUGIN = textwrap.dedent('''
         return [float(t) for t in target]
 
     async def sleepy_a(completions, **kw):
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(1.0)
         return [1.0] * len(completions)
 
     async def sleepy_b(completions, **kw):
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(1.0)
         return [2.0] * len(completions)
 
     async def sleepy_c(completions, **kw):
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(1.0)
         return [3.0] * len(completions)
 
     async def async_hang(completions, **kw):
@@ -144,7 +144,7 @@ def test_every_kind_of_failure_scores_on_error_value_is_counted_and_logged_once(
 
 def test_async_rewards_are_awaited_concurrently_and_time_out_alone(plugin):
     runner = RewardRunner([f"{plugin}:sleepy_a", f"{plugin}:sleepy_b", f"{plugin}:sleepy_c", f"{plugin}:async_hang"],
-                          num_workers=1, timeout_s=1.0)
+                          num_workers=1, timeout_s=1.5)
     try:
         runner.wait_ready()
         t0 = time.monotonic()
@@ -152,8 +152,9 @@ def test_async_rewards_are_awaited_concurrently_and_time_out_alone(plugin):
         elapsed = time.monotonic() - t0
     finally:
         runner.close()
-    # three 0.6 s sleeps on one worker: concurrent, so the call lasts the 1 s bound of the hanging one, not 1.8 s + 1
-    assert elapsed < 2.5, elapsed
+    # three 1 s sleeps and a hang on one worker: awaited together, the call lasts the hang's 1.5 s bound; one after
+    # the other it would last 3 s + 1.5 s
+    assert elapsed < 3.5, elapsed
     assert scores.per_func[0].tolist() == [1.0, 2.0, 3.0, 0.0]
     assert scores.errors.tolist() == [0.0, 0.0, 0.0, 3.0]
 

@@ -37,7 +37,8 @@ REWARDS: dict[str, RewardFunc] = {
 
 
 def register_reward(name: str) -> Callable[[RewardFunc], RewardFunc]:
-    """Decorator: make ``name`` a valid ``rewards.funcs`` entry."""
+    """Decorator: make ``name`` a valid ``rewards.funcs`` entry. It runs in the reward sandbox's workers, which
+    import it by module and name (:func:`worker_spec`): register module-level functions."""
 
     def deco(fn: RewardFunc) -> RewardFunc:
         REWARDS[name] = fn

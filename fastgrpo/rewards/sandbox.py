@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from fastgrpo.errors import RewardError
 from fastgrpo.rewards.calls import CallFailure
 
 LOAD_TIMEOUT_S = 300.0
@@ -209,11 +210,14 @@ class WorkerPool:
                     results[w.job] = [CallFailure("crash", f"killed its worker process ({why})")] * len(jobs[w.job])
                     self._replace(w)
                 else:
-                    raise RuntimeError(f"a restarted reward worker died while importing {self.specs} "
-                                       f"(exit code {code})") from None
+                    raise RewardError(f"a restarted reward worker died while importing {self.specs} "
+                                      f"(exit code {code})") from None
                 continue
             if w.state == "loading":
-                self._on_loaded(w, msg)
+                try:
+                    self._on_loaded(w, msg)
+                except ValueError as e:  # it imported at start, and fails now: the plugin file changed?
+                    raise RewardError(f"a restarted reward worker could not import the rewards: {e}") from None
                 continue
             results[w.job] = [CallFailure(r[1], r[2], r[3]) if r[0] == "fail" else (r[1], r[2]) for r in msg[1]]
             w.state = "idle"
@@ -224,8 +228,8 @@ class WorkerPool:
                 results[w.job] = [CallFailure("timeout", message)] * len(jobs[w.job])
                 self._replace(w)
             if w.state == "loading" and now - w.started > LOAD_TIMEOUT_S:
-                raise RuntimeError(f"a restarted reward worker took more than {LOAD_TIMEOUT_S:g} s to import "
-                                   f"{self.specs}")
+                raise RewardError(f"a restarted reward worker took more than {LOAD_TIMEOUT_S:g} s to import "
+                                  f"{self.specs}")
 
     # -------------------------------------------------------------------------------------------- control
 
