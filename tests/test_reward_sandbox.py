@@ -217,6 +217,18 @@ def test_workers_die_with_a_killed_trainer(plugin, tmp_path):
     assert not any(_alive(p) for p in pids)
 
 
+def test_a_pool_nobody_closed_kills_its_workers_when_collected(plugin):
+    import gc
+
+    runner = RewardRunner([f"{plugin}:ok"], timeout_s=5)  # e.g. a Trainer whose construction failed later on
+    runner.wait_ready()
+    pids = runner.pool.pids()
+    del runner
+    gc.collect()
+    time.sleep(0.1)
+    assert pids and not any(_alive(p) for p in pids)
+
+
 def test_math_runs_in_the_sandbox_and_scores_like_the_function(tmp_path):
     runner = RewardRunner(["math", "gsm8k"], timeout_s=30)
     try:

@@ -20,7 +20,6 @@ Workers are new processes (not forks): a fork of a process with CUDA, NCCL or gl
 
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import socket
@@ -74,10 +73,10 @@ class WorkerPool:
         self.specs, self.size, self.timeout_s = list(specs), size, timeout_s
         self.is_async: list[bool] | None = None  # per spec, known once a worker has loaded them
         self._interrupt = threading.Event()
-        self._closed = False
         self.restarts = 0
         self._workers: list[_Worker] = []
-        atexit.register(_close_at_exit, weakref.ref(self))
+        # Kills the workers on close(), when the pool is garbage (a Trainer whose construction failed), and at exit.
+        self._finalizer = weakref.finalize(self, _kill_all, self._workers)
         for _ in range(size):
             self._workers.append(self._spawn())
 
@@ -97,17 +96,8 @@ class WorkerPool:
         conn.send(("load", self.specs))
         return _Worker(proc=proc, conn=conn)
 
-    @staticmethod
-    def _kill(w: _Worker) -> None:
-        try:
-            w.proc.kill()  # SIGKILL: a reward stuck in C code (sympy, a regex) ignores anything gentler
-        except OSError:
-            pass
-        w.proc.wait()
-        w.conn.close()
-
     def _replace(self, w: _Worker) -> _Worker:
-        self._kill(w)
+        _kill(w)
         self.restarts += 1
         new = self._spawn()
         self._workers[self._workers.index(w)] = new
@@ -156,7 +146,7 @@ class WorkerPool:
         ``while_waiting()`` runs in this thread once every job that can start has started (the trainer scores
         its in-process rewards meanwhile). Raises Interrupted once :meth:`interrupt` was called.
         """
-        if self._closed:
+        if not self._finalizer.alive:
             raise RuntimeError("the reward worker pool is closed")
         self.wait_ready()
         results: list[list[Result] | None] = [None] * len(jobs)
@@ -248,14 +238,18 @@ class WorkerPool:
 
     def close(self) -> None:
         """Kill every worker; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for w in self._workers:
-            self._kill(w)
+        self._finalizer()
 
 
-def _close_at_exit(ref: weakref.ref) -> None:
-    pool = ref()
-    if pool is not None:
-        pool.close()
+def _kill(w: _Worker) -> None:
+    try:
+        w.proc.kill()  # SIGKILL: a reward stuck in C code (sympy, a regex) ignores anything gentler
+    except OSError:
+        pass
+    w.proc.wait()
+    w.conn.close()
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    for w in workers:
+        _kill(w)
