@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from fastgrpo.errors import DiskFullError, is_disk_full
+
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
@@ -78,9 +80,33 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _disk_full(what: str, path: Path, intact: str) -> DiskFullError:
+    usage = shutil.disk_usage(path.parent if not path.exists() else path)
+    return DiskFullError(f"no space left on the device while writing {what} to {path} "
+                         f"({usage.free / 2**20:.0f} MiB free); {intact}. Free some space (or point output_dir "
+                         "elsewhere) and run the same command again")
+
+
 def save_checkpoint(ckpt_dir: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], keep_last: int) -> Path:
-    """Save atomically as ``ckpt_dir/step_{step}``; keep the newest ``keep_last``. Collective: call on every rank."""
+    """Save atomically as ``ckpt_dir/step_{step}``; keep the newest ``keep_last``. Collective: call on every rank.
+
+    A full disk is a DiskFullError (the half-written save is removed; earlier checkpoints are intact).
+    """
+    try:
+        return _save_checkpoint(ckpt_dir, step, model=model, optimizer=optimizer, trainer_state=trainer_state,
+                                keep_last=keep_last)
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        shutil.rmtree(ckpt_dir / f".tmp_step_{step:06d}", ignore_errors=True)
+        found = list_checkpoints(ckpt_dir)
+        intact = f"the checkpoint of step {found[-1][0]} is intact" if found else "no checkpoint was written"
+        raise _disk_full(f"the checkpoint of step {step}", ckpt_dir, intact) from None
+
+
+def _save_checkpoint(ckpt_dir: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     trainer_state: dict[str, Any], keep_last: int) -> Path:
     final = ckpt_dir / f"step_{step:06d}"
     tmp = ckpt_dir / f".tmp_step_{step:06d}"
     if _rank() == 0:
@@ -146,9 +172,29 @@ def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:
     return path
 
 
+def check_same_model(path: Path, model_sd: dict[str, Any]) -> None:
+    """ValueError naming the first difference when the checkpoint at ``path`` holds another model's weights
+    (another size or architecture): read from DCP's metadata, before any tensor is loaded."""
+    saved = {k[len("model."):]: getattr(v, "size", None)
+             for k, v in dcp.FileSystemReader(str(path / "model_optim")).read_metadata().state_dict_metadata.items()
+             if k.startswith("model.")}
+    here = {k: tuple(v.shape) for k, v in model_sd.items()}
+    hint = "; resume it with the model it was trained from, or use another run name"
+    for k, shape in here.items():
+        if k not in saved:
+            raise ValueError(f"checkpoint {path} holds another model: it has no {k!r}{hint}")
+        if saved[k] is not None and tuple(saved[k]) != shape:
+            raise ValueError(f"checkpoint {path} holds another model: {k} is {list(saved[k])} there and "
+                             f"{list(shape)} here{hint}")
+    extra = sorted(set(saved) - set(here))
+    if extra:
+        raise ValueError(f"checkpoint {path} holds another model: it has {extra[0]!r}, which this model lacks{hint}")
+
+
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG in place; return the trainer state (step, scheduler, data)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    check_same_model(path, model_sd)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "model_optim"))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -168,8 +214,15 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, tokenizer: Any) -> Path 
         tmp = out_dir.with_name(f".tmp_{out_dir.name}")
         if tmp.exists():
             shutil.rmtree(tmp)
-        model.save_pretrained(tmp, state_dict=full_sd, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        try:
+            model.save_pretrained(tmp, state_dict=full_sd, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+        except Exception as e:
+            if not is_disk_full(e):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _disk_full("the Hugging Face export", out_dir, "the checkpoints are intact; rerunning writes "
+                             "the export") from None
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

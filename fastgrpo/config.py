@@ -141,9 +141,22 @@ class RewardConfig:
     """Reward names from fastgrpo.rewards.REWARDS, or 'path/to/file.py:function' for your own."""
     weights: list[float] | None = None
     """One weight per reward function; None weighs each 1.0."""
+    sandbox: bool = True
+    """Run plugin files and 'math' in worker processes with a time bound; false runs all in the trainer (debugging)."""
+    num_workers: int = 2
+    """Reward worker processes per rank (at most one per sandboxed function is started)."""
+    timeout_s: float = 60.0
+    """Most seconds one sandboxed reward call (a function on a step's completions) may take; then it is killed."""
+    on_error: Literal["value", "raise"] = "value"
+    """A reward call that raises, times out, or returns a wrong length, a non-number or a non-finite value:
+    'value' scores the completions it affects on_error_value (counted in reward/<name>/errors); 'raise' stops."""
+    on_error_value: float = 0.0
+    """The reward a failed reward call gives each completion it affects (on_error: value)."""
 
     def validate(self, p: str) -> None:
         _check(len(self.funcs) >= 1, f"{p}.funcs", "need at least one reward function")
+        _check(self.num_workers >= 1, f"{p}.num_workers", "must be >= 1")
+        _check(self.timeout_s > 0, f"{p}.timeout_s", "must be > 0")
         if self.weights is not None:
             _check(len(self.weights) == len(self.funcs), f"{p}.weights",
                    f"has {len(self.weights)} weights for {len(self.funcs)} reward functions {self.funcs}")
@@ -244,6 +257,9 @@ class OptimConfig:
     """Cosine floor as a fraction of lr."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm; 0 disables."""
+    max_nonfinite_steps: int = 3
+    """An update with a NaN/inf loss or gradient is skipped (counted in policy/skipped_updates); this many in a row
+    stop the run with an error."""
 
     def validate(self, p: str) -> None:
         _check(self.lr > 0 and math.isfinite(self.lr), f"{p}.lr", f"must be > 0, got {self.lr}")
@@ -253,6 +269,7 @@ class OptimConfig:
         _check(self.warmup_steps >= 0, f"{p}.warmup_steps", "must be >= 0")
         _check(0 <= self.min_lr_ratio <= 1, f"{p}.min_lr_ratio", "must be in [0, 1]")
         _check(self.max_grad_norm >= 0, f"{p}.max_grad_norm", "must be >= 0")
+        _check(self.max_nonfinite_steps >= 1, f"{p}.max_nonfinite_steps", "must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -284,6 +301,8 @@ class CheckpointConfig:
     """'auto' resumes from the newest checkpoint in the run folder, 'never', or a checkpoint path."""
     export_hf: bool = True
     """Write a Hugging Face folder (safetensors, config, tokenizer) at the end."""
+    overwrite: bool = False
+    """With resume: never, allow starting over in a run folder that holds a run (its checkpoints and logs go)."""
 
     def validate(self, p: str) -> None:
         _check(self.every >= 0, f"{p}.every", "must be >= 0")
@@ -351,8 +370,17 @@ class TrainConfig:
         return Path(self.output_dir) / self.name
 
     def validate(self) -> "TrainConfig":
-        _check(bool(self.name) and "/" not in self.name, "name", "must be a non-empty folder name")
+        _check_finite(self, "")
+        # The run folder is output_dir/name and nothing else: a name with a separator or '..' would write (and
+        # delete old checkpoints) outside output_dir.
+        _check(bool(self.name) and self.name not in (".", "..") and not any(c in self.name for c in "/\\\0"),
+               "name", f"must be a plain folder name (no '/', '\\', '..'), got {self.name!r}")
         _check(self.max_steps >= 1, "max_steps", "must be >= 1")
+        if self.device == "cuda":
+            import torch  # deferred: the config module loads without torch for --help-config
+
+            _check(torch.cuda.is_available(), "device",
+                   "is 'cuda' but no CUDA device is available (torch.cuda.is_available() is False); use auto or cpu")
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
@@ -373,6 +401,19 @@ class TrainConfig:
             resolve_backend(self.grpo.head_backend, device, needs_grad=True)
         except ValueError as e:
             _fail("grpo.head_backend", f"{e}; use auto or torch on CPU")
+
+
+def _check_finite(node: Any, path: str) -> None:
+    """Every float in the config (nested sections and lists too) is finite: one NaN or inf in a weight, a rate or
+    a clip range would turn every parameter into NaN a few steps later."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            _check_finite(getattr(node, f.name), f"{path}.{f.name}" if path else f.name)
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            _check_finite(v, f"{path}[{i}]")
+    elif isinstance(node, float):
+        _check(math.isfinite(node), path, f"must be a finite number, got {node}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

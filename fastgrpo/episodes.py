@@ -13,7 +13,7 @@ import torch
 
 from fastgrpo.advantages import AdvantageResult, compute_advantages
 from fastgrpo.metrics import StepMetrics
-from fastgrpo.rewards import combine_rewards
+from fastgrpo.rewards import RewardRunner
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 
 
@@ -39,6 +39,10 @@ class Episodes:
     """[S, F] float32."""
     rewards: torch.Tensor
     """[S] weighted sum over functions."""
+    reward_errors: torch.Tensor
+    """[F] completions whose reward from each function is rewards.on_error_value (the call failed)."""
+    interrupted: bool
+    """SIGTERM cut the reward calls short: these episodes must not train the policy."""
     adv: AdvantageResult
     """Advantages [S] and group statistics."""
 
@@ -65,8 +69,7 @@ def reward_columns(rows: list[dict[str, Any]], group_size: int, prompt_texts: li
 
 def collect_episodes(engine: RolloutEngine, rows: list[dict[str, Any]], prompt_texts: list[str],
                      prompt_ids: list[list[int]], *, group_size: int, sampling: SamplingParams,
-                     reward_funcs: list[tuple[str, Callable]], reward_weights: list[float] | None,
-                     scale_rewards: str, all_reduce: Callable | None = None) -> Episodes:
+                     rewards: RewardRunner, scale_rewards: str, all_reduce: Callable | None = None) -> Episodes:
     """Generate G completions per prompt, score them and compute group advantages."""
     groups = engine.generate(prompt_ids, group_size, sampling)  # [B][G]
     comps = [c for g in groups for c in g]  # [S]
@@ -76,16 +79,16 @@ def collect_episodes(engine: RolloutEngine, rows: list[dict[str, Any]], prompt_t
     s_prompt_ids = [p for p in prompt_ids for _ in range(group_size)]
     completion_ids = [list(c.token_ids) for c in comps]
     texts = [c.text for c in comps]
-    per_func, total = combine_rewards(reward_funcs, reward_weights, texts,
-                                      reward_columns(rows, group_size, prompt_texts, completion_ids))
-    adv = compute_advantages(total, group_size, scale=scale_rewards, all_reduce=all_reduce)
+    scores = rewards(texts, reward_columns(rows, group_size, prompt_texts, completion_ids))
+    adv = compute_advantages(scores.total, group_size, scale=scale_rewards, all_reduce=all_reduce)
     sampler_lp = None
     if all(c.logprobs is not None for c in comps):
         sampler_lp = torch.tensor([lp for c in comps for lp in c.logprobs], dtype=torch.float32)
     return Episodes(
         prompt_texts=s_prompt_texts, prompt_ids=s_prompt_ids, completion_ids=completion_ids,
         completion_texts=texts, finish_reasons=[c.finish_reason for c in comps], sampler_logprobs=sampler_lp,
-        reward_names=[n for n, _ in reward_funcs], rewards_per_func=per_func, rewards=total, adv=adv,
+        reward_names=list(rewards.names), rewards_per_func=scores.per_func, rewards=scores.total,
+        reward_errors=scores.errors, interrupted=scores.interrupted, adv=adv,
     )
 
 
@@ -95,6 +98,7 @@ def record_metrics(ep: Episodes, m: StepMetrics) -> None:
     m.moments(ep.rewards, "reward/mean", "reward/std")
     for j, name in enumerate(ep.reward_names):
         m.moments(ep.rewards_per_func[:, j], f"reward/{name}/mean", f"reward/{name}/std")
+        m.total(f"reward/{name}/errors", ep.reward_errors[j])  # completions scored rewards.on_error_value
     m.moments(lengths, "completion/len_mean")
     m.max("completion/len_max", lengths.max())
     m.moments(torch.tensor([float(r == "length") for r in ep.finish_reasons]), "completion/truncated_frac")

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastgrpo.errors import DiskFullError, is_disk_full
+
 
 # Dense bf16 peak FLOP/s by device-name substring (vendor data sheets, no sparsity).
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
@@ -161,12 +163,28 @@ class Timer:
 
 
 def drop_records_after(path: Path, step: int) -> None:
-    """Remove records with ``step`` > step from a jsonl log (atomically), so a resumed run does not log twice."""
+    """Remove records with ``step`` > step from a jsonl log (atomically), so a resumed run does not log twice.
+
+    A last line that is not valid JSON is what a run killed in the middle of a write leaves: it is dropped (with a
+    note). An invalid line elsewhere was not written by a kill: ValueError naming the file and the line.
+    """
     if not path.is_file():
         return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
-    if len(kept) != len(lines):
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+    kept = []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            record = json.loads(ln)
+        except ValueError:
+            if i == len(lines) - 1:
+                print(f"[fastgrpo] {path}: dropping a torn last line (a run killed while writing it)", flush=True)
+                continue
+            raise ValueError(f"{path} line {i + 1} is not valid JSON; fix or delete that line to resume") from None
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(ln if ln.endswith("\n") else ln + "\n")  # the next append must start a new line
+    if kept != lines:
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text("".join(kept), encoding="utf-8")
         os.replace(tmp, path)
@@ -185,14 +203,24 @@ class JsonlSink:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self._f = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record, default=float) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(record, default=float) + "\n")
+            self._f.flush()
+        except OSError as e:
+            if is_disk_full(e):
+                raise DiskFullError(f"no space left on the device while writing {self.path}; free some space "
+                                    "and run the same command again (it resumes from the last checkpoint)") from None
+            raise
 
     def close(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError:  # the failed flush of a full disk again; already reported by write()
+            pass
 
 
 def check_wandb_available() -> None:

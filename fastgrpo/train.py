@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from fastgrpo.config import ConfigError, describe, load_config
+from fastgrpo.errors import RunError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             record = trainer.run()
+        except RunError as e:  # a full disk, rewards.on_error=raise, too many non-finite updates: one line
+            print(f"fastgrpo: error: {e}", file=sys.stderr)
+            return 1
         finally:
             trainer.close()
         if fdist.get_rank() == 0 and record:

@@ -17,15 +17,17 @@ import torch
 
 from fastgrpo import checkpoint as ckpt
 from fastgrpo import distributed as fdist
+from fastgrpo import preflight
 from fastgrpo.config import TrainConfig, to_dict
 from fastgrpo.data import build_datasets, render_prompt
 from fastgrpo.data.sampler import PromptSampler
 from fastgrpo.episodes import Episodes, collect_episodes, record_metrics
 from fastgrpo.evaluate import evaluate
+from fastgrpo.guard import NonFiniteGuard
 from fastgrpo.metrics import RunLog, StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
 from fastgrpo.parallelize import parallelize_model, uses_fsdp
-from fastgrpo.rewards import load_reward_funcs
+from fastgrpo.rewards import RewardRunner
 from fastgrpo.rollout import EngineSetup, RolloutEngine, SamplingParams, build_engine
 from fastgrpo.update import GRPOBatch, grpo_update
 
@@ -63,9 +65,16 @@ class Trainer:
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
 
-        # Cheap checks first: data and rewards fail before any model loads.
-        self.reward_funcs = load_reward_funcs(cfg.rewards.funcs)
-        self.train_rows, self.eval_rows, self.data_info = build_datasets(cfg.data)
+        # Cheap checks first: the launch, the run folder, data and rewards fail before any model loads.
+        preflight.check_launch(cfg, self.world_size)
+        preflight.check_run_dir(cfg)
+        self.rewards = RewardRunner.from_config(cfg.rewards)  # its workers import the rewards while data loads
+        try:
+            self.train_rows, self.eval_rows, self.data_info = build_datasets(cfg.data)
+            self.rewards.wait_ready()
+        except BaseException:
+            self.rewards.close()
+            raise
         self.sampler = PromptSampler(len(self.train_rows), seed=cfg.data.seed, rank=self.rank,
                                      world_size=self.world_size)
 
@@ -90,6 +99,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, warmup_steps=o.warmup_steps, total_steps=self.total_updates,
                                          schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
         self.step = 0
+        self.guard = NonFiniteGuard(o.max_nonfinite_steps)
         self.peak_flops = device_peak_flops(self.device)
         self._resume()
 
@@ -163,8 +173,8 @@ class Trainer:
         self.engine.wake()
         try:
             return collect_episodes(self.engine, rows, texts, ids, group_size=g.num_generations, sampling=sampling,
-                                    reward_funcs=self.reward_funcs, reward_weights=self.cfg.rewards.weights,
-                                    scale_rewards=g.scale_rewards, all_reduce=self._sum_over_ranks)
+                                    rewards=self.rewards, scale_rewards=g.scale_rewards,
+                                    all_reduce=self._sum_over_ranks)
         finally:
             self.engine.sleep()
 
@@ -178,7 +188,8 @@ class Trainer:
                           advantages=ep.adv.advantages, sampler_logprobs=ep.sampler_logprobs)
         grpo_update(self.model, batch, grpo=self.cfg.grpo, rollout=self.cfg.rollout, optimizer=self.optimizer,
                     scheduler=self.scheduler, max_grad_norm=self.cfg.optim.max_grad_norm, metrics=metrics,
-                    device=self.device, ref_model=self.ref_model, pad_token_id=self.tokenizer.pad_token_id or 0)
+                    device=self.device, ref_model=self.ref_model, pad_token_id=self.tokenizer.pad_token_id or 0,
+                    guard=self.guard)
 
     def sync_weights(self, metrics: StepMetrics) -> None:
         """Give the rollout engine the new policy weights (a no-op for an engine that shares the model)."""
@@ -192,10 +203,19 @@ class Trainer:
     def run(self) -> dict[str, float]:
         cfg = self.cfg
         if self.step >= cfg.max_steps:
-            if self.is_main:
+            if cfg.checkpoint.export_hf and not (self.run_dir / "final").is_dir():
+                # killed after its last checkpoint, before (or while) writing the export: write it now
+                if self.is_main:
+                    print(f"[fastgrpo] {self.run_dir} is at step {self.step} but has no final/ export: writing it",
+                          flush=True)
+                ckpt.export_hf(self.run_dir / "final", model=self.model, tokenizer=self.tokenizer)
+            elif self.is_main:
                 print(f"[fastgrpo] {self.run_dir} is already at step {self.step} >= max_steps={cfg.max_steps}; "
                       "nothing to do (raise max_steps to train further)", flush=True)
             return {}
+        if self.is_main and cfg.checkpoint.resume == "never" and cfg.checkpoint.overwrite and \
+                preflight.holds_run(self.run_dir):
+            preflight.clear_run(self.run_dir)
         log = RunLog(self.run_dir, report_to=cfg.log.report_to, name=cfg.name, project=cfg.log.wandb_project,
                      config=to_dict(cfg), step=self.step, max_steps=cfg.max_steps, enabled=self.is_main,
                      progress=cfg.log.progress)
@@ -204,14 +224,23 @@ class Trainer:
         previous = None
         if threading.current_thread() is threading.main_thread():
             # Preemption (SIGTERM from a scheduler, or torchrun relaying one): finish the step, save, exit 0.
-            previous = signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_sigterm", True))
+            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             while self.step < cfg.max_steps:
-                record, ep = self.train_step()
-                if self._due(cfg.eval.every):
+                step_record, ep = self.train_step()
+                if step_record is None:  # SIGTERM cut a rank's reward calls short: the step was dropped
+                    self._save()
+                    if self.is_main:
+                        log.bar.write(f"[fastgrpo] SIGTERM while scoring step {self.step + 1}: dropped that step "
+                                      f"and saved step {self.step} to {self.run_dir / 'checkpoints'}; run the same "
+                                      "command again to resume")
+                    return record
+                record = step_record
+                stop = self._stop_requested()
+                if not stop and self._due(cfg.eval.every):  # preempted: save first (the reward pool is stopped)
                     record.update(self.evaluate())
                 log.write(record, self._sample_completions(ep) if self.is_main else [])
-                if self._stop_requested():
+                if stop:
                     self._save()
                     if self.is_main:
                         log.bar.write(f"[fastgrpo] SIGTERM: saved step {self.step} to "
@@ -228,16 +257,22 @@ class Trainer:
             log.close()
         return record
 
-    def train_step(self) -> tuple[dict[str, float], Episodes]:
+    def train_step(self) -> tuple[dict[str, float] | None, Episodes]:
         """One step: rollout -> policy update -> weight sync. Returns the step's record (metrics reduced over ranks,
-        timings, throughput) and its episodes."""
+        timings, throughput) and its episodes; the record is None when SIGTERM cut the reward calls short on some
+        rank, and the step was dropped (the data position is back where it was before it)."""
         metrics = StepMetrics()
+        data_position = self.sampler.state_dict()
         with Timer() as t_roll:
             ep = self.rollout()
         if self.step + 1 == int(os.environ.get(_FAULT_ENV, "-1")):
             os.kill(os.getpid(), signal.SIGKILL)
+        if fdist.all_reduce_int(int(ep.interrupted), "max", device=self.device):
+            self.sampler.load_state_dict(data_position)
+            return None, ep
         with Timer() as t_upd:
             self.policy_update(ep, metrics)
+        self.guard.end_step(self.step + 1, metrics, ep.adv.advantages, ep.rewards)
         self.sync_weights(metrics)
         self.step += 1
         return self._record(ep, metrics, t_roll.seconds, t_upd.seconds), ep
@@ -256,12 +291,19 @@ class Trainer:
         record["data/skipped_rows"] = float(self.data_info.get("skipped_invalid_rows", 0))
         return record
 
+    def _on_sigterm(self, *_) -> None:
+        """Preemption: stop after this step; reward calls in flight are abandoned at once (their step is dropped)."""
+        self._sigterm = True
+        self.rewards.interrupt()
+
     def _stop_requested(self) -> bool:
         """Whether any rank got SIGTERM (all ranks must agree, or the others would wait in a collective)."""
         return fdist.all_reduce_int(int(self._sigterm), "max", device=self.device) > 0
 
     def close(self) -> None:
-        """Release the rollout engine. vLLM's teardown also ends torch.distributed's group: call this last."""
+        """Release the reward workers and the rollout engine. vLLM's teardown also ends torch.distributed's group:
+        call this last."""
+        self.rewards.close()
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
@@ -279,7 +321,7 @@ class Trainer:
         n = max(ws, min(e.num_prompts, n_rows) // ws * ws)
         idx = [i % n_rows for i in range(self.rank, n, ws)]
         texts, ids = self.prompts(idx, self.eval_rows)
-        fn = self.reward_funcs[-1][1]  # by position: a plugin's registered name is not its spec string
+        fn = self.rewards.reward_fn(len(self.rewards.names) - 1)  # sandboxed like the training rewards
         # Evaluation runs between a weight sync and the next rollout, so the engine stays awake for that rollout
         # (sleeping here would, at sleep_level 2, discard the weights just synced).
         self.engine.wake()

@@ -16,6 +16,7 @@ golden figures are checked on the code that trains.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -24,6 +25,7 @@ import torch
 
 from fastgrpo import distributed as fdist
 from fastgrpo.config import GRPOConfig, RolloutConfig
+from fastgrpo.guard import NonFiniteGuard
 from fastgrpo.kernels import linear_grpo_loss, linear_logprobs, resolve_backend
 from fastgrpo.losses import GlobalCounts, token_weights, truncated_importance_weights
 from fastgrpo.metrics import StepMetrics
@@ -62,12 +64,15 @@ def packed_logprobs(model: torch.nn.Module, mbs: list[MicroBatch], num_tokens: i
 
 def optimizer_update(model: torch.nn.Module, mbs: list[MicroBatch], head_loss: HeadLoss, *,
                      optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                     max_grad_norm: float, metrics: StepMetrics, loss_divisor: int = 1) -> None:
+                     max_grad_norm: float, metrics: StepMetrics, loss_divisor: int = 1,
+                     guard: NonFiniteGuard | None = None) -> bool:
     """One optimizer update: gradients of ``sum over micro-batches of head_loss`` -> clip -> step.
 
     ``model`` has ``packed_forward`` (``parallelize_model``). Metrics: ``loss`` (the summed loss / loss_divisor: a
     step of several updates logs their mean), every key of the head's stats, ``policy/grad_norm`` (before clipping)
-    and ``lr`` (the rate this update used). ``max_grad_norm`` 0 disables clipping.
+    and ``lr`` (the rate this update used). ``max_grad_norm`` 0 disables clipping. The optimizer steps only on a
+    finite gradient norm (:class:`fastgrpo.guard.NonFiniteGuard`, which counts the skipped updates); returns
+    whether it stepped. The schedule advances either way, so a step's learning rate does not depend on skips.
     """
     optimizer.zero_grad(set_to_none=True)
     for mb in mbs:
@@ -82,9 +87,12 @@ def optimizer_update(model: torch.nn.Module, mbs: list[MicroBatch], head_loss: H
         grad_norm = grad_norm.full_tensor()
     metrics.set("policy/grad_norm", grad_norm)
     metrics.host("lr", optimizer.param_groups[0]["lr"])
-    optimizer.step()
+    stepped = (guard or NonFiniteGuard(max_in_a_row=1)).step(optimizer, grad_norm)
     if scheduler is not None:
-        scheduler.step()
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()" after a skipped first update
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.step()
+    return stepped
 
 
 @dataclass(kw_only=True)
@@ -107,7 +115,8 @@ _LOGGED_STATS = ("clip_low_frac", "clip_high_frac", "kl_mean")
 def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, rollout: RolloutConfig,
                 optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                 max_grad_norm: float, metrics: StepMetrics, device: torch.device | str,
-                ref_model: torch.nn.Module | None = None, pad_token_id: int = 0) -> list[MicroBatch]:
+                ref_model: torch.nn.Module | None = None, pad_token_id: int = 0,
+                guard: NonFiniteGuard | None = None) -> list[MicroBatch]:
     """``grpo.num_iterations`` optimizer updates on one rollout batch; returns the micro-batches it ran.
 
     Token weights (``grpo.loss_type``) are normalised over the global batch (all ranks), so the summed gradient
@@ -152,6 +161,6 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
 
     for _ in range(grpo.num_iterations):
         optimizer_update(model, mbs, head_loss, optimizer=optimizer, scheduler=scheduler,
-                         max_grad_norm=max_grad_norm, metrics=metrics, loss_divisor=grpo.num_iterations)
+                         max_grad_norm=max_grad_norm, metrics=metrics, loss_divisor=grpo.num_iterations, guard=guard)
     metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_tokens for mb in mbs))))
     return mbs

@@ -44,3 +44,38 @@ def test_round_trip_restores_weights_and_optimizer(tmp_path):
     assert state["step"] == 5
     assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)
     assert opt.state[model.weight]["step"].item() == 1  # Adam's moments came back too
+
+
+def test_resuming_another_models_checkpoint_is_a_clear_error(tmp_path):
+    import pytest
+
+    path = _save(tmp_path, 1)
+    other = torch.nn.Linear(2, 3)
+    with pytest.raises(ValueError, match=r"holds another model: weight is \[2, 2\] there and \[3, 2\] here"):
+        load_checkpoint(path, model=other, optimizer=torch.optim.AdamW(other.parameters()))
+    renamed = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"holds another model: it has no '0.weight'"):
+        load_checkpoint(path, model=renamed, optimizer=torch.optim.AdamW(renamed.parameters()))
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_the_last_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    import pytest
+
+    from fastgrpo.errors import DiskFullError
+
+    _save(tmp_path, 1)
+    real_save = torch.save
+
+    def full(obj, f, *a, **k):
+        if "rng_rank" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(DiskFullError, match=r"no space left on the device while writing the checkpoint of step 2"
+                                            r".*the checkpoint of step 1 is intact"):
+        _save(tmp_path, 2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    assert not (tmp_path / ".tmp_step_000002").exists()

@@ -140,3 +140,43 @@ def test_head_backend_auto_resolves_per_device():
     has_triton = __import__("importlib").util.find_spec("triton") is not None
     assert resolve_backend("auto", "cuda", needs_grad=True) == ("cublas" if has_triton else "torch")
     assert resolve_backend("auto", "cuda", needs_grad=False) == ("triton" if has_triton else "torch")
+
+
+def _float_fields(cls=None, prefix=""):
+    import dataclasses
+    import typing
+
+    from fastgrpo.config import TrainConfig
+
+    cls = cls or TrainConfig
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _float_fields(tp, f"{prefix}{f.name}.")
+        elif float in (tp, *typing.get_args(tp)) or list[float] in (tp, *typing.get_args(tp)):
+            yield f"{prefix}{f.name}", tp
+
+
+def test_every_float_field_rejects_nan_and_inf():
+    fields = list(_float_fields())
+    assert {"optim.weight_decay", "rewards.weights", "rewards.on_error_value", "grpo.delta"} <= {k for k, _ in fields}
+    for key, tp in fields:
+        for bad in ("inf", "-inf", "nan", ".inf"):
+            value = f"[{bad}]" if "list" in str(tp) else bad
+            with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}(\[0\])?: must be a finite number"):
+                load_config("configs/tiny.yaml", [f"{key}={value}", "rewards.funcs=[format,countdown]"])
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../escape", "a/b", "/abs", "a\\b", ""])
+def test_run_name_cannot_leave_output_dir(name):
+    with pytest.raises(ConfigError, match="name: must be a plain folder name"):
+        load_config("configs/tiny.yaml", [f"name={name}"])
+
+
+def test_device_cuda_without_cuda_is_a_config_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ConfigError, match="device: is 'cuda' but no CUDA device is available"):
+        load_config("configs/tiny.yaml", ["device=cuda"])

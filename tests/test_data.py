@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import random
 from pathlib import Path
 
@@ -153,7 +154,7 @@ def test_file_source_carves_eval_and_drops_duplicates_of_it(tmp_path, cache):
 
 def test_invalid_row_error_names_row_and_field(cache):
     cfg = DataConfig(source=str(DATA / "countdown_invalid.jsonl"), num_eval=1)
-    with pytest.raises(ValueError, match=r"row 1: field 'target' must be an integer, got 'sixty-four'"):
+    with pytest.raises(ValueError, match=r"row 1 \(line 2\): field 'target' must be an integer, got 'sixty-four'"):
         build_datasets(cfg, cache_dir=cache)
 
 
@@ -167,11 +168,11 @@ def test_invalid_rows_skipped_and_counted(cache):
 def test_missing_field_is_named(tmp_path, cache):
     path = tmp_path / "missing.jsonl"
     path.write_text('{"nums": [1, 2], "target": 3}\n{"nums": [1, 2], "target": 3}\n{"target": 5}\n')
-    with pytest.raises(ValueError, match=r"row 2: field 'nums' is missing"):
+    with pytest.raises(ValueError, match=r"row 2 \(line 3\): field 'nums' is missing"):
         file_splits(str(path), split="train", eval_split=None, num_eval=1, seed=0, skip_invalid_rows=False,
                     cache_dir=cache)
     path.write_text('{"nums": [1, "two"], "target": 3}\n')
-    with pytest.raises(ValueError, match=r"row 0: field 'nums' must be a list of integers"):
+    with pytest.raises(ValueError, match=r"row 0 \(line 1\): field 'nums' must be a list of integers"):
         file_splits(str(path), split="train", eval_split=None, num_eval=0, seed=0, skip_invalid_rows=False,
                     cache_dir=cache)
 
@@ -319,3 +320,54 @@ def test_render_rejects_unknown_task_and_template():
         render_prompt({"task": "chess"}, template="base")
     with pytest.raises(ValueError, match="unknown template"):
         render_prompt(ROW, template="fancy")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Files are read as written: no conversion, and every problem named with its line
+
+
+def _splits(path, **kw):
+    return file_splits(str(path), split="train", eval_split=None, num_eval=0, seed=0, skip_invalid_rows=False,
+                       cache_dir=None, **kw)
+
+
+def test_big_integers_stay_exact_and_strings_or_floats_are_not_converted(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"nums": [1, 2, 3], "target": 6}\n{"nums": [4, 5, 6], "target": %d}\n' % 10 ** 29)
+    train, _, _ = _splits(path)
+    assert train[1]["target"] == 10 ** 29 and type(train[1]["target"]) is int  # Arrow would round it to a float
+    for bad, needle in [('{"nums": ["1", "2", "3"], "target": 6}', "field 'nums' must be a list of integers"),
+                        ('{"nums": [1, 2, 3], "target": "6"}', "field 'target' must be an integer, got '6'"),
+                        ('{"nums": [1, 2, 3], "target": 6.0}', "field 'target' must be an integer, got 6.0")]:
+        path.write_text('{"nums": [1, 2, 3], "target": 6}\n\n' + bad + "\n")
+        with pytest.raises(ValueError, match=rf"row 1 \(line 3\): {needle}"):
+            _splits(path)
+
+
+@pytest.mark.parametrize("name, content, needle", [
+    ("empty.jsonl", "", "has no rows"),
+    ("blank.jsonl", "\n  \n", "has no rows"),
+    ("broken.jsonl", '{"nums": [1, 2], "target": 3}\n{"nums": [1, 2], "tar\n', "line 2 is not valid JSON"),
+    ("nan.jsonl", '{"nums": [1, 2], "target": NaN}\n', "line 1 is not valid JSON (NaN is not a JSON number)"),
+    ("list.jsonl", '[1, 2]\n', "line 1 is a JSON list, expected an object"),
+    ("array.json", '[{"nums": [1, 2], "target": 3}, 7]', "item 1 of the array is not a JSON object"),
+    ("bad.json", '[{"nums": [1, 2], "target": 3},', "is not valid JSON at line 1"),
+    ("latin1.jsonl", b'{"question": "caf\xe9", "answer": "1"}\n', "is not UTF-8 text"),
+    ("garbage.parquet", "not parquet", "is not a readable parquet file"),
+])
+def test_unreadable_files_are_one_line_errors(tmp_path, name, content, needle):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match=re.escape(needle)) as info:
+        _splits(path)
+    assert "\n" not in str(info.value)
+
+
+def test_an_empty_parquet_file_is_a_one_line_error(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"nums": pa.array([], pa.list_(pa.int64())), "target": pa.array([], pa.int64())}), path)
+    with pytest.raises(ValueError, match="has no rows"):
+        _splits(path)

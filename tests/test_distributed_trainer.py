@@ -1,6 +1,7 @@
 """The whole trainer under torchrun with 2 gloo processes (FSDP2), and a checkpoint resumed on 1 process."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -56,3 +57,35 @@ def test_torchrun_with_one_process_runs_like_python_dash_m(tmp_path):
                 "max_steps=1", "eval.every=-1", "checkpoint.export_hf=false"])
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "one" / "checkpoints" / "step_000001").is_dir()
+
+
+CHAOS = '''
+import math, os, time
+
+def chaos(completions, **kw):
+    if os.environ["RANK"] == "0":
+        time.sleep(600)  # hangs: the sandbox kills it after rewards.timeout_s
+    return [-math.inf] + [1.0] * (len(completions) - 1)
+'''
+
+
+def test_a_hanging_reward_on_one_rank_and_inf_on_the_other_cannot_stop_or_poison_the_run(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    plugin = tmp_path / "chaos.py"
+    plugin.write_text(CHAOS)
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), "-m", "fastgrpo.train", *ARGS, f"output_dir={tmp_path}", "name=chaos",
+                "max_steps=2", "eval.every=-1", "checkpoint.every=0", f"rewards.funcs=[{plugin}:chaos,toy_digit]",
+                "rewards.timeout_s=1"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "chaos" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    # per step: rank 0's call timed out (its 2 prompts x 4 completions), rank 1's first value was -inf
+    assert [r["reward/chaos/errors"] for r in rows] == [9.0, 9.0]
+    assert all(r["reward/toy_digit/errors"] == 0 for r in rows)
+    assert all(math.isfinite(r["reward/mean"]) and math.isfinite(r["policy/grad_norm"]) for r in rows)
+    assert "did not finish within rewards.timeout_s=1 s" in out.stderr and "returned -inf" in out.stderr
+    weights = load_file(tmp_path / "chaos" / "final" / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in weights.values())

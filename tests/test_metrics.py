@@ -61,3 +61,23 @@ def test_wandb_runs_offline_without_an_api_key(monkeypatch, tmp_path):
     sink.close()
     assert calls["init"]["mode"] == "offline" and calls["init"]["project"] == "proj"
     assert calls["log"] == [(3, {"reward/mean": 0.5})] and calls["finished"]
+
+
+def test_a_torn_last_line_is_dropped_and_the_next_record_starts_a_line(tmp_path, capsys):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rew')  # killed in the middle of writing step 3
+    drop_records_after(p, 5)
+    assert "torn last line" in capsys.readouterr().out
+    assert p.read_text() == '{"step": 1}\n{"step": 2}\n'
+    p.write_text('{"step": 1}\n{"step": 2}')  # complete, but killed before its newline
+    drop_records_after(p, 5)
+    assert p.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_a_broken_line_in_the_middle_names_its_line(tmp_path):
+    import pytest
+
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl line 2 is not valid JSON"):
+        drop_records_after(p, 5)

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _timing import timed
+from fastgrpo.errors import RewardError
 from fastgrpo.rewards import (
     REWARDS,
     combine_rewards,
@@ -333,7 +334,7 @@ def test_combine_none_is_nan_and_counts_zero(plugin_path):
 
 def test_combine_wrong_output_count_names_function(plugin_path):
     funcs = load_reward_funcs([f"{plugin_path}:short_reward"])
-    with pytest.raises(ValueError, match="'short_reward' returned 1 values for 2 completions"):
+    with pytest.raises(RewardError, match="'short_reward' returned 1 values for 2 completions"):
         combine_rewards(funcs, None, ["a", "b"], {})
     with pytest.raises(ValueError, match="2 reward weights for 1"):
         combine_rewards(funcs, [1.0, 1.0], ["a"], {})

@@ -1,7 +1,9 @@
 """Datasets from json/jsonl/parquet files or the Hugging Face hub, through ``datasets``, with row validation.
 
 DataConfig.source is a path (``.json``, ``.jsonl``, ``.parquet`` file, or a folder ``datasets`` can read) or a
-hub id, optionally with a config name after a colon (``openai/gsm8k:main``). A hub id needs network (or a
+hub id, optionally with a config name after a colon (``openai/gsm8k:main``). JSON files are read with Python's
+``json``, not through ``datasets``: Arrow's type inference would turn a column into floats when one value passes
+2**63 (rounding every value) or coerce strings, and a broken line would be reported without its number. A hub id needs network (or a
 filled ``datasets`` cache with ``HF_DATASETS_OFFLINE=1``); the CPU test environment has none, so tests use
 local files only.
 
@@ -13,6 +15,7 @@ untouched (reward functions receive every column).
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +31,9 @@ class _BadField(Exception):
 
 
 def _int(value: Any) -> int:
-    # bool is an int subclass but never a meaningful number here; integral floats come from json/parquet
-    # columns that mixed ints with nulls or floats.
-    if isinstance(value, bool):
-        raise _BadField(f"must be an integer, got {value!r}")
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if not hasattr(value, "__index__"):
+    # Only integers: bool is an int subclass but never a meaningful number here, and "3" or 3.0 would be a silent
+    # conversion of the user's data (a float column may already have been rounded).
+    if isinstance(value, (bool, float, str)) or not hasattr(value, "__index__"):
         raise _BadField(f"must be an integer, got {value!r}")
     return int(value)
 
@@ -85,9 +84,10 @@ def detect_schema(column_names: list[str]) -> Schema:
 
 
 def validate_rows(
-    rows: list[dict[str, Any]], schema: Schema, *, skip_invalid_rows: bool = False
+    rows: list[dict[str, Any]], schema: Schema, *, skip_invalid_rows: bool = False, lines: list[int] | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
-    """Check and normalise the required fields: returns (valid rows, number skipped)."""
+    """Check the required fields (nothing is converted): returns (valid rows, number skipped). ``lines``: each
+    row's line in its file, named in errors."""
     valid, skipped = [], 0
     for i, row in enumerate(rows):
         fixed, problem = dict(row), None
@@ -97,7 +97,8 @@ def validate_rows(
                     raise _BadField("is missing")
                 fixed[column] = check(row[column])
             except _BadField as e:
-                problem = f"row {i}: field {column!r} {e}"
+                where = f"row {i}" if lines is None else f"row {i} (line {lines[i]})"
+                problem = f"{where}: field {column!r} {e}"
                 break
         if problem is not None:
             if not skip_invalid_rows:
@@ -108,20 +109,77 @@ def validate_rows(
     return valid, skipped
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def read_json_rows(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """(rows, line number of each) of a JSON-lines file, or of a ``.json`` file holding one array of objects.
+
+    Integers stay exact Python ints, strings stay strings. A line that is not a JSON object (a torn or edited
+    line, NaN, a bare value) is a ValueError naming the file and the line.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data.source: {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            data = json.loads(text, parse_constant=_no_constant)
+        except ValueError as e:
+            where = f" at line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+            raise ValueError(f"data.source: {str(path)!r} is not valid JSON{where}: "
+                             f"{e.msg if isinstance(e, json.JSONDecodeError) else e}") from None
+        if not all(isinstance(r, dict) for r in data):
+            i = next(i for i, r in enumerate(data) if not isinstance(r, dict))
+            raise ValueError(f"data.source: {str(path)!r}: item {i} of the array is not a JSON object")
+        return data, [0] * len(data)  # one document: no meaningful line per row
+    rows, lines = [], []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line, parse_constant=_no_constant)
+        except ValueError as e:
+            msg = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+            raise ValueError(f"data.source: {str(path)!r} line {lineno} is not valid JSON ({msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"data.source: {str(path)!r} line {lineno} is a JSON {type(row).__name__}, "
+                             "expected an object (one row per line)")
+        rows.append(row)
+        lines.append(lineno)
+    return rows, lines
+
+
 def load_source_rows(source: str, *, split: str, cache_dir: str | None = None) -> list[dict[str, Any]]:
     """Rows of a local file/folder or a hub dataset, as plain dicts."""
-    import datasets  # heavy; only needed for file and hub sources
+    return _load_source(source, split=split, cache_dir=cache_dir)[0]
 
+
+def _load_source(source: str, *, split: str, cache_dir: str | None) -> tuple[list[dict[str, Any]], list[int] | None]:
+    """(rows, line of each row for JSON-lines files, else None)."""
     path = Path(source).expanduser()
     if path.suffix in _FILE_FORMATS:
         if not path.is_file():
             raise ValueError(f"data.source: file {str(path)!r} does not exist")
-        # A single file is one split; datasets names it "train" whatever data.split says.
-        ds = datasets.load_dataset(
-            _FILE_FORMATS[path.suffix], data_files=str(path), split="train", cache_dir=cache_dir
-        )
-    elif path.is_dir():
-        ds = datasets.load_dataset(str(path), split=split, cache_dir=cache_dir)
+        if _FILE_FORMATS[path.suffix] == "json":
+            rows, lines = read_json_rows(path)
+            return rows, (lines if path.suffix == ".jsonl" or any(lines) else None)
+        import pyarrow.parquet as pq
+
+        try:  # a typed format: no inference, so Arrow's own reader keeps every value as written
+            return pq.read_table(path).to_pylist(), None
+        except Exception as e:  # pyarrow's errors have no common base class
+            raise ValueError(f"data.source: {str(path)!r} is not a readable parquet file: {e}") from None
+    import datasets  # heavy; only needed for folder and hub sources
+
+    if path.is_dir():
+        try:
+            ds = datasets.load_dataset(str(path), split=split, cache_dir=cache_dir)
+        except Exception as e:  # DatasetGenerationError, a missing split, an empty folder, ...
+            cause = e.__cause__ or e
+            raise ValueError(f"data.source: could not read the folder {str(path)!r} (split {split!r}) with "
+                             f"datasets: {type(cause).__name__}: {cause}") from None
     else:
         name, _, config = source.partition(":")
         try:
@@ -132,7 +190,7 @@ def load_source_rows(source: str, *, split: str, cache_dir: str | None = None) -
                 "A hub id needs network or a filled datasets cache; a local path must end in "
                 f"{sorted(_FILE_FORMATS)} or be a folder"
             ) from e
-    return ds.to_list()
+    return ds.to_list(), None
 
 
 def file_splits(
@@ -145,17 +203,16 @@ def file_splits(
     shuffle. Either way, training rows whose key (see Schema.key) equals a held-out row's are dropped and
     counted: public sets contain duplicates, and an eval prompt seen in training measures nothing.
     """
-    raw = load_source_rows(source, split=split, cache_dir=cache_dir)
+    raw, lines = _load_source(source, split=split, cache_dir=cache_dir)
     if not raw:
         raise ValueError(f"data.source: {source!r} (split {split!r}) has no rows")
-    schema = detect_schema(list(raw[0]))
-    rows, skipped = validate_rows(raw, schema, skip_invalid_rows=skip_invalid_rows)
+    schema = detect_schema(sorted(set().union(*raw)))
+    rows, skipped = validate_rows(raw, schema, skip_invalid_rows=skip_invalid_rows, lines=lines)
     skipped_eval = 0
     if eval_split is not None:
-        eval_rows, skipped_eval = validate_rows(
-            load_source_rows(source, split=eval_split, cache_dir=cache_dir), schema,
-            skip_invalid_rows=skip_invalid_rows,
-        )
+        raw_eval, lines_eval = _load_source(source, split=eval_split, cache_dir=cache_dir)
+        eval_rows, skipped_eval = validate_rows(raw_eval, schema, skip_invalid_rows=skip_invalid_rows,
+                                                lines=lines_eval)
         train_rows = rows
     else:
         order = list(range(len(rows)))

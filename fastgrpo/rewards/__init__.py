@@ -1,18 +1,22 @@
 """Rewards: one file per reward family, the REWARDS registry, and loading of users' plugin files.
 
 Every reward function has TRL's signature ``fn(completions, **kwargs) -> list[float | None]``; see
-:mod:`fastgrpo.rewards.loader` for how they are called and combined.
+:mod:`fastgrpo.rewards.loader` for how they are found, :mod:`fastgrpo.rewards.scoring` for how they are called
+(sandboxed, with a time bound and an error policy) and combined.
 """
 
 from fastgrpo.rewards.countdown import countdown_reward, score_equation
 from fastgrpo.rewards.format import as_text, format_reward, is_well_formatted, last_answer
-from fastgrpo.rewards.loader import REWARDS, RewardFunc, combine_rewards, load_reward_funcs, register_reward
+from fastgrpo.rewards.loader import REWARDS, RewardFunc, load_reward_funcs, register_reward
 from fastgrpo.rewards.math_answer import gsm8k_reward, math_verify_reward
+from fastgrpo.rewards.scoring import RewardRunner, RewardScores, combine_rewards
 from fastgrpo.rewards.toy import toy_digit_reward
 
 __all__ = [
     "REWARDS",
     "RewardFunc",
+    "RewardRunner",
+    "RewardScores",
     "as_text",
     "combine_rewards",
     "countdown_reward",

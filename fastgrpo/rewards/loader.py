@@ -1,25 +1,23 @@
-"""The reward registry, loading users' reward plugins, and combining rewards into one scalar per completion.
-
-Legend: N = B*G completions in the step, F reward functions.
+"""The reward registry and loading of users' reward plugins.
 
 A reward function has TRL's signature ``fn(completions, **kwargs) -> list[float | None]``. It is called with
 keyword arguments only, as TRL calls it: ``completions``, ``prompts``, ``completion_ids`` and every dataset
 column, each a list with one entry per completion. So a function written for TRL (or an ms-swift ORM class,
-which is instantiated with no arguments) works unchanged.
+which is instantiated with no arguments) works unchanged. :mod:`fastgrpo.rewards.scoring` calls them and combines
+their scores; :mod:`fastgrpo.rewards.sandbox` runs the ones without a proven time bound in worker processes.
+
+This module imports no torch: reward workers import it.
 """
 
 from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib
 import importlib.util
-import math
 import sys
-import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
-
-import torch
+from typing import Any, Callable, Sequence
 
 from fastgrpo.rewards.countdown import countdown_reward
 from fastgrpo.rewards.format import format_reward
@@ -39,7 +37,8 @@ REWARDS: dict[str, RewardFunc] = {
 
 
 def register_reward(name: str) -> Callable[[RewardFunc], RewardFunc]:
-    """Decorator: make ``name`` a valid ``rewards.funcs`` entry."""
+    """Decorator: make ``name`` a valid ``rewards.funcs`` entry. It runs in the reward sandbox's workers, which
+    import it by module and name (:func:`worker_spec`): register module-level functions."""
 
     def deco(fn: RewardFunc) -> RewardFunc:
         REWARDS[name] = fn
@@ -48,14 +47,33 @@ def register_reward(name: str) -> Callable[[RewardFunc], RewardFunc]:
     return deco
 
 
-def _load_plugin(spec: str) -> tuple[str, RewardFunc]:
-    """``path/to/file.py:name`` -> (name, callable). rsplit so a Windows drive letter's colon survives."""
+IN_PROCESS: frozenset[Callable] = frozenset({countdown_reward, format_reward, gsm8k_reward, toy_digit_reward})
+"""Built-ins scored in the trainer process: pure Python with a tested time bound (< 10 ms on any 64 KB
+completion, tests/test_rewards.py and tests/test_math_reward.py), so a worker would only add latency. Every other
+reward function (plugin files, ``math`` with math-verify, anything registered at run time) runs in the sandbox."""
+
+
+def is_plugin_spec(name: str) -> bool:
+    """``path/to/file.py:function`` (as opposed to a registry name)."""
+    return ":" in name and name.rpartition(":")[0].endswith(".py")
+
+
+def check_plugin_spec(spec: str) -> tuple[Path, str]:
+    """(absolute file, attribute name) of a plugin spec, checked without importing it. rpartition, so that a
+    Windows drive letter's colon survives."""
     path_str, _, attr = spec.rpartition(":")
     path = Path(path_str).expanduser().resolve()
     if not attr:
         raise ValueError(f"reward {spec!r}: write 'path/to/file.py:function_name'")
     if not path.is_file():
         raise ValueError(f"reward {spec!r}: plugin file {str(path)!r} does not exist")
+    return path, attr
+
+
+def _load_plugin(spec: str, catch: tuple[type[BaseException], ...] = (Exception, SystemExit)
+                 ) -> tuple[str, RewardFunc]:
+    """``path/to/file.py:name`` -> (name, callable)."""
+    path, attr = check_plugin_spec(spec)
     # One module per file, keyed by its absolute path, so loading two functions from a file runs it once
     # and two plugin files that are both called rewards.py do not clash.
     mod_name = "fastgrpo_reward_plugin_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
@@ -68,80 +86,82 @@ def _load_plugin(spec: str) -> tuple[str, RewardFunc]:
         sys.modules[mod_name] = module
         try:
             loader_spec.loader.exec_module(module)
-        except Exception as e:
+        except catch as e:
             del sys.modules[mod_name]
-            raise ValueError(f"reward {spec!r}: importing {str(path)!r} failed: {e!r}") from e
+            raise ValueError(f"reward {spec!r}: importing {str(path)!r} failed: {e!r}") from None
     if not hasattr(module, attr):
         found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         raise ValueError(f"reward {spec!r}: {str(path)!r} defines no {attr!r}; its callables: {found}")
-    fn = getattr(module, attr)
+    return attr, _instantiate(spec, getattr(module, attr), catch)
+
+
+def _instantiate(spec: str, fn: Any, catch: tuple[type[BaseException], ...]) -> RewardFunc:
     if isinstance(fn, type):  # an ms-swift style ORM class: instantiate, then call the instance
-        fn = fn()
+        try:
+            fn = fn()
+        except catch as e:
+            raise ValueError(f"reward {spec!r}: creating an instance of {fn.__name__} failed: {e!r}") from None
     if not callable(fn):
-        raise ValueError(f"reward {spec!r}: {attr!r} is not callable")
-    return attr, fn
+        raise ValueError(f"reward {spec!r}: {spec.rpartition(':')[2]!r} is not callable")
+    return fn
+
+
+def lookup(name: str) -> RewardFunc | None:
+    """A registry name -> its function; a plugin spec -> None after checking that its file exists (not imported
+    here: a sandboxed plugin is imported only in worker processes); anything else -> ValueError naming the
+    closest registry name."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if is_plugin_spec(name):
+        check_plugin_spec(name)
+        return None
+    close = difflib.get_close_matches(name, list(REWARDS), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ValueError(
+        f"unknown reward {name!r}: {hint}built-in rewards are {sorted(REWARDS)}; "
+        "for your own function write 'path/to/file.py:function_name'"
+    )
+
+
+def display_name(name: str) -> str:
+    """The name of a reward in metrics and logs: the registry name, or a plugin's function name."""
+    return name.rpartition(":")[2] if is_plugin_spec(name) else name
 
 
 def load_reward_funcs(names: Sequence[str]) -> list[tuple[str, RewardFunc]]:
-    """Resolve RewardConfig.funcs: registry names or ``path/to/file.py:function`` plugin specs."""
+    """Resolve RewardConfig.funcs in this process: registry names or ``path/to/file.py:function`` plugin specs
+    (imported here)."""
     funcs = []
     for name in names:
-        if name in REWARDS:
-            funcs.append((name, REWARDS[name]))
-        elif ":" in name and name.rpartition(":")[0].endswith(".py"):
-            funcs.append(_load_plugin(name))
-        else:
-            close = difflib.get_close_matches(name, list(REWARDS), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(
-                f"unknown reward {name!r}: {hint}built-in rewards are {sorted(REWARDS)}; "
-                "for your own function write 'path/to/file.py:function_name'"
-            )
+        fn = lookup(name)
+        funcs.append((name, fn) if fn is not None else _load_plugin(name))
     return funcs
 
 
-def _to_float(value: Any, name: str, i: int) -> float:
-    if value is None:  # TRL's convention: None means "not applicable to this sample" -> NaN, skipped in the sum
-        return math.nan
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"reward {name!r} returned {value!r} for completion {i}; expected a number or None")
+def worker_spec(name: str, fn: RewardFunc) -> str:
+    """How a reward worker finds ``fn``: the plugin spec itself, or ``module:qualname`` of a registered function.
 
-
-def combine_rewards(
-    funcs: Sequence[tuple[str, RewardFunc]],
-    weights: Sequence[float] | None,
-    completions: Sequence[Any],
-    columns: Mapping[str, Sequence[Any]],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run every reward function and combine: ``r[n] = nansum_f weights[f] * R[n, f]``.
-
-    ``columns`` holds the keyword arguments besides ``completions`` (``prompts``, ``completion_ids``, dataset
-    columns), each with N entries. Returns ``(R [N, F] float32, r [N] float32)``. As in TRL, a function may
-    return None for a sample it does not apply to: that entry is NaN in R and counts as 0 in r.
+    A function that is not importable by that name (a lambda, a closure, a ``__main__`` function) cannot run in a
+    worker: ValueError naming it, and the way out (``rewards.sandbox=false``).
     """
-    n = len(completions)
-    if weights is None:
-        weights = [1.0] * len(funcs)
-    if len(weights) != len(funcs):
-        raise ValueError(f"got {len(weights)} reward weights for {len(funcs)} reward functions")
-    for key, col in columns.items():
-        if len(col) != n:
-            raise ValueError(f"reward column {key!r} has {len(col)} entries for {n} completions")
-    R_NF = torch.empty(n, len(funcs), dtype=torch.float32)  # [N, F]
-    for f, (name, fn) in enumerate(funcs):
-        out = fn(completions=list(completions), **{k: list(v) for k, v in columns.items()})
-        if out is None or len(out) != n:
-            got = "None" if out is None else f"{len(out)} values"
-            raise ValueError(f"reward {name!r} returned {got} for {n} completions")
-        R_NF[:, f] = torch.tensor([_to_float(v, name, i) for i, v in enumerate(out)], dtype=torch.float32)
-    all_nan = torch.isnan(R_NF).all(dim=1)  # [N]
-    if n and len(funcs) and bool(all_nan.any()):
-        warnings.warn(
-            f"every reward function returned None for {int(all_nan.sum())} completion(s); they get reward 0",
-            stacklevel=2,
-        )
-    w_F = torch.tensor(list(weights), dtype=torch.float32)  # [F]
-    r_N = (R_NF * w_F).nansum(dim=1)  # [N]
-    return R_NF, r_N
+    if is_plugin_spec(name):
+        return name
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or "<" in qualname:
+        raise ValueError(f"reward {name!r} ({fn!r}) cannot be imported by a reward worker process; define it in a "
+                         "module or a plugin file ('path/to/file.py:function'), or set rewards.sandbox=false")
+    return f"{module}:{qualname}"
+
+
+def resolve_spec(spec: str, *, catch: tuple[type[BaseException], ...] = (Exception, SystemExit)) -> RewardFunc:
+    """The callable a :func:`worker_spec` names (in a worker process)."""
+    if is_plugin_spec(spec):
+        return _load_plugin(spec, catch)[1]
+    module_name, _, qualname = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except catch as e:
+        raise ValueError(f"reward {spec!r}: cannot import it in a reward worker: {e!r}") from None
+    return _instantiate(spec, obj, catch)

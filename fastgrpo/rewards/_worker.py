@@ -1,0 +1,94 @@
+"""A reward worker process (see :mod:`fastgrpo.rewards.sandbox`, which starts it).
+
+    python -m fastgrpo.rewards._worker FD PARENT_PID
+
+Talks to the trainer over the socket FD with pickled messages (``multiprocessing.connection`` framing):
+
+- ``("load", specs)`` -> ``("loaded", [is_async, ...])`` or ``("load_error", message)``: import each reward
+  function (``path/file.py:name`` plugin or ``module:qualname``) once;
+- ``("call", [(i, kwargs, n), ...], timeout_s)`` -> ``("done", [result, ...])``: a result is
+  ``("ok", values, bad)`` or ``("fail", kind, message, traceback)``. A list of several calls holds async
+  functions only, awaited concurrently on this worker's event loop.
+
+The worker never ends the run: it catches everything a reward function raises (SystemExit included) and ignores
+SIGINT and SIGTERM (the trainer decides when it stops). It dies with the trainer (PR_SET_PDEATHSIG on Linux, and a
+watchdog thread elsewhere), so a killed trainer leaves no orphan. This module imports no torch: starting or
+restarting a worker costs an interpreter start and the plugin's own imports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+
+def _die_with(parent_pid: int) -> None:
+    try:  # Linux: the kernel SIGKILLs us when the parent exits, even while a reward holds the GIL in C code
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="fastgrpo-reward-watchdog").start()
+
+
+def main(argv: list[str]) -> None:
+    fd, parent_pid = int(argv[0]), int(argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with(parent_pid)
+    from fastgrpo.rewards.calls import CallFailure, call, gather, is_async
+    from fastgrpo.rewards.loader import resolve_spec
+
+    conn = Connection(fd)
+    loop = asyncio.new_event_loop()
+    funcs = []
+    everything = (BaseException,)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "load":
+            try:
+                funcs = [resolve_spec(s, catch=everything) for s in msg[1]]
+            except ValueError as e:
+                conn.send(("load_error", str(e)))
+                continue
+            conn.send(("loaded", [is_async(f) for f in funcs]))
+        elif msg[0] == "call":
+            _, calls, timeout_s = msg
+            if len(calls) == 1 and not is_async(funcs[calls[0][0]]):
+                i, kwargs, n = calls[0]
+                try:
+                    results = [call(funcs[i], kwargs, n, catch=everything, loop=loop)]
+                except CallFailure as f:
+                    results = [f]
+            else:
+                results = loop.run_until_complete(
+                    gather([(funcs[i], kwargs, n) for i, kwargs, n in calls], timeout_s, catch=everything))
+            out = [("fail", r.kind, r.message, r.tb) if isinstance(r, CallFailure) else ("ok", *r) for r in results]
+            try:
+                conn.send(("done", out))
+            except (BrokenPipeError, OSError):
+                return
+            except Exception as e:  # unpicklable output cannot happen (values are floats), but never hang the parent
+                conn.send(("done", [("fail", "exception", f"could not send the result: {e!r}", "")] * len(calls)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,255 @@
+"""The reward sandbox: a pool of worker processes that run reward functions with a hard time bound.
+
+A reward function is user code (or math-verify, whose sympy calls can run for minutes on adversarial input and
+cannot be interrupted from another thread). In the trainer process a hang would hang the job, and with several
+ranks every other rank too; an ``os._exit`` or a segfault would end it. So such functions run here:
+
+- each of ``size`` workers is a fresh interpreter (:mod:`fastgrpo.rewards._worker`) that imports the reward
+  functions once, then scores completions on request;
+- every call has a deadline (``rewards.timeout_s``); a worker past it is SIGKILLed and replaced, and the call is
+  a ``timeout`` failure. A worker that dies is replaced and the call is a ``crash`` failure;
+- calls of different functions run on different workers at once; async functions all go to one worker, which
+  awaits them concurrently on its event loop, each with the same time bound;
+- :meth:`WorkerPool.interrupt` (the trainer's SIGTERM handler) abandons the calls in flight at once;
+- :meth:`WorkerPool.close` (also at interpreter exit) kills every worker. A trainer killed with SIGKILL takes its
+  workers with it (PR_SET_PDEATHSIG), so no worker outlives the run.
+
+Workers are new processes (not forks): a fork of a process with CUDA, NCCL or gloo threads is not safe, and a
+``spawn`` multiprocessing start would re-run a user's training script that lacks an ``if __name__`` guard.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+from fastgrpo.errors import RewardError
+from fastgrpo.rewards.calls import CallFailure
+
+LOAD_TIMEOUT_S = 300.0
+"""Most seconds a worker may take to start and import the reward functions (a plugin may import torch)."""
+ASYNC_GRACE_S = 5.0
+"""Extra seconds past rewards.timeout_s before a worker awaiting async functions is killed: those calls time out
+cooperatively first (asyncio), keeping the results of the others."""
+_POLL_S = 0.2  # how often a wait checks for interrupt(): the latency of SIGTERM while a reward runs
+
+Call = tuple[int, dict[str, Any], int]
+"""One reward call: (function index, keyword arguments, number of completions)."""
+Result = tuple[list[float], list[tuple[int, str, str]]] | CallFailure
+"""What a call gave: (values, failed entries) as in :func:`fastgrpo.rewards.calls.to_values`, or a failure."""
+
+
+class Interrupted(Exception):
+    """The pool was interrupted (SIGTERM) while calls were in flight."""
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen
+    conn: Connection
+    state: str = "loading"  # loading -> idle <-> busy
+    started: float = field(default_factory=time.monotonic)
+    job: int = -1  # index of the job it runs
+    deadline: float = 0.0
+
+
+class WorkerPool:
+    """``size`` reward workers that import ``specs`` (see :func:`fastgrpo.rewards.loader.worker_spec`)."""
+
+    def __init__(self, specs: list[str], *, size: int, timeout_s: float) -> None:
+        if size < 1:
+            raise ValueError(f"a reward worker pool needs size >= 1, got {size}")
+        self.specs, self.size, self.timeout_s = list(specs), size, timeout_s
+        self.is_async: list[bool] | None = None  # per spec, known once a worker has loaded them
+        self._interrupt = threading.Event()
+        self.restarts = 0
+        self._workers: list[_Worker] = []
+        # Kills the workers on close(), when the pool is garbage (a Trainer whose construction failed), and at exit.
+        self._finalizer = weakref.finalize(self, _kill_all, self._workers)
+        for _ in range(size):
+            self._workers.append(self._spawn())
+
+    # -------------------------------------------------------------------------------------------- processes
+
+    def _spawn(self) -> _Worker:
+        parent, child = socket.socketpair()
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding the fastgrpo package
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fastgrpo.rewards._worker", str(child.fileno()), str(os.getpid())],
+                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        finally:
+            child.close()
+        conn = Connection(parent.detach())
+        conn.send(("load", self.specs))
+        return _Worker(proc=proc, conn=conn)
+
+    def _replace(self, w: _Worker) -> _Worker:
+        _kill(w)
+        self.restarts += 1
+        new = self._spawn()
+        self._workers[self._workers.index(w)] = new
+        return new
+
+    def _on_loaded(self, w: _Worker, msg: tuple) -> None:
+        if msg[0] == "load_error":
+            raise ValueError(msg[1])
+        self.is_async = list(msg[1])
+        w.state = "idle"
+
+    def wait_ready(self) -> list[bool]:
+        """Block until every worker has imported the reward functions; return which are async.
+
+        ValueError with the worker's message when an import fails (a missing file, an exception or a SystemExit
+        at import time, a missing attribute): the trainer calls this before any model loads.
+        """
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while any(w.state == "loading" for w in self._workers):
+            loading = {w.conn: w for w in self._workers if w.state == "loading"}
+            ready = wait(list(loading), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.close()
+                raise ValueError(f"reward workers took more than {LOAD_TIMEOUT_S:g} s to import {self.specs}")
+            for conn in ready:
+                w = loading[conn]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    self.close()
+                    raise ValueError(f"a reward worker died while importing {self.specs} (exit code "
+                                     f"{w.proc.wait()}); run the import by hand to see why") from None
+                try:
+                    self._on_loaded(w, msg)
+                except ValueError:
+                    self.close()
+                    raise
+        assert self.is_async is not None
+        return self.is_async
+
+    # -------------------------------------------------------------------------------------------- calls
+
+    def run(self, jobs: list[list[Call]], while_waiting: Any = None) -> list[list[Result]]:
+        """Run each job (a list of calls: one sync call, or async calls awaited together) on some worker.
+
+        ``while_waiting()`` runs in this thread once every job that can start has started (the trainer scores
+        its in-process rewards meanwhile). Raises Interrupted once :meth:`interrupt` was called.
+        """
+        if not self._finalizer.alive:
+            raise RuntimeError("the reward worker pool is closed")
+        self.wait_ready()
+        results: list[list[Result] | None] = [None] * len(jobs)
+        pending = deque(range(len(jobs)))
+        try:
+            self._dispatch(jobs, pending)
+            if while_waiting is not None:
+                while_waiting()
+            while pending or any(w.state == "busy" for w in self._workers):
+                if self._interrupt.is_set():
+                    raise Interrupted()
+                self._dispatch(jobs, pending)
+                self._collect(jobs, results)
+        except BaseException:
+            # Interrupted, or KeyboardInterrupt in this thread: nothing may stay in flight, or the next run would
+            # read this one's answers.
+            for w in list(self._workers):
+                if w.state == "busy":
+                    self._replace(w)
+            raise
+        return results  # type: ignore[return-value]
+
+    def _dispatch(self, jobs: list[list[Call]], pending: deque) -> None:
+        for w in list(self._workers):
+            if not pending:
+                return
+            if w.state != "idle":
+                continue
+            j = pending[0]
+            deadline = self.timeout_s + (ASYNC_GRACE_S if len(jobs[j]) > 1 or self.is_async[jobs[j][0][0]] else 0)
+            try:
+                w.conn.send(("call", jobs[j], self.timeout_s))
+            except (BrokenPipeError, ConnectionError, OSError):  # it died while idle: replace it, the job waits
+                self._replace(w)
+                continue
+            pending.popleft()
+            w.state, w.job, w.deadline = "busy", j, time.monotonic() + deadline
+
+    def _collect(self, jobs: list[list[Call]], results: list) -> None:
+        waiting = {w.conn: w for w in self._workers if w.state in ("busy", "loading")}
+        now = time.monotonic()
+        next_deadline = min([w.deadline for w in waiting.values() if w.state == "busy"], default=now + _POLL_S)
+        for conn in wait(list(waiting), timeout=max(0.0, min(next_deadline - now, _POLL_S))):
+            w = waiting[conn]
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                code = w.proc.wait()
+                if w.state == "busy":
+                    why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                    results[w.job] = [CallFailure("crash", f"killed its worker process ({why})")] * len(jobs[w.job])
+                    self._replace(w)
+                else:
+                    raise RewardError(f"a restarted reward worker died while importing {self.specs} "
+                                      f"(exit code {code})") from None
+                continue
+            if w.state == "loading":
+                try:
+                    self._on_loaded(w, msg)
+                except ValueError as e:  # it imported at start, and fails now: the plugin file changed?
+                    raise RewardError(f"a restarted reward worker could not import the rewards: {e}") from None
+                continue
+            results[w.job] = [CallFailure(r[1], r[2], r[3]) if r[0] == "fail" else (r[1], r[2]) for r in msg[1]]
+            w.state = "idle"
+        now = time.monotonic()
+        for w in list(self._workers):
+            if w.state == "busy" and now > w.deadline and results[w.job] is None:
+                message = f"did not finish within rewards.timeout_s={self.timeout_s:g} s; its worker was killed"
+                results[w.job] = [CallFailure("timeout", message)] * len(jobs[w.job])
+                self._replace(w)
+            if w.state == "loading" and now - w.started > LOAD_TIMEOUT_S:
+                raise RewardError(f"a restarted reward worker took more than {LOAD_TIMEOUT_S:g} s to import "
+                                  f"{self.specs}")
+
+    # -------------------------------------------------------------------------------------------- control
+
+    def interrupt(self) -> None:
+        """Make the current (and any later) :meth:`run` raise Interrupted within a fraction of a second.
+        Safe to call from a signal handler."""
+        self._interrupt.set()
+
+    @property
+    def interrupted(self) -> bool:
+        return self._interrupt.is_set()
+
+    def pids(self) -> list[int]:
+        """Process ids of the live workers (tests check that none outlives the pool)."""
+        return [w.proc.pid for w in self._workers]
+
+    def close(self) -> None:
+        """Kill every worker; idempotent."""
+        self._finalizer()
+
+
+def _kill(w: _Worker) -> None:
+    try:
+        w.proc.kill()  # SIGKILL: a reward stuck in C code (sympy, a regex) ignores anything gentler
+    except OSError:
+        pass
+    w.proc.wait()
+    w.conn.close()
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    for w in workers:
+        _kill(w)

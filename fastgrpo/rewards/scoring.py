@@ -1,0 +1,216 @@
+"""Scoring a step's completions with every reward function, safely, and combining them into one reward each.
+
+Legend: N completions in the call, F reward functions.
+
+:class:`RewardRunner` is what the trainer holds. Built-ins with a tested time bound (``loader.IN_PROCESS``) run in
+this process; every other function runs in the sandbox's worker processes (``rewards.sandbox``, default on). A
+failure of any kind (see :mod:`fastgrpo.rewards.calls`) gives the affected completions ``rewards.on_error_value``,
+is counted per function (``RewardScores.errors``, logged as ``reward/<name>/errors``), and its first occurrence per
+function and kind is logged with its traceback; ``rewards.on_error: raise`` raises :class:`RewardError` instead.
+So whatever a reward function does, every reward the policy update sees is a finite number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from fastgrpo.errors import RewardError
+from fastgrpo.rewards import loader
+from fastgrpo.rewards.calls import CallFailure, call, gather, is_async
+from fastgrpo.rewards.sandbox import Interrupted, WorkerPool
+
+log = logging.getLogger("fastgrpo.rewards")
+
+
+@dataclass
+class RewardScores:
+    """One call's scores. Tensors are float32 on the CPU."""
+
+    per_func: Any
+    """[N, F] each function's score; NaN where a function returned None ("not applicable")."""
+    total: Any
+    """[N] ``nansum_f weights[f] * per_func[:, f]``."""
+    errors: Any
+    """[F] completions that got ``rewards.on_error_value`` from each function (a failed call counts all of its N)."""
+    interrupted: bool = False
+    """SIGTERM arrived while sandboxed calls ran: the scores are incomplete and must not train the policy."""
+
+
+class RewardRunner:
+    """Runs reward functions in process or in the sandbox, with RewardConfig's error policy.
+
+    ``funcs`` holds RewardConfig.funcs entries (registry names, plugin specs) or already loaded ``(name, fn)``
+    pairs, which run in this process. Construction checks every name and starts the workers without waiting;
+    :meth:`wait_ready` waits for them to import the functions (so that a plugin's import error is reported before
+    any model loads).
+    """
+
+    def __init__(self, funcs: Sequence[str | tuple[str, Callable]], *, weights: Sequence[float] | None = None, sandbox: bool = True,
+                 num_workers: int = 2, timeout_s: float = 60.0, on_error: str = "value",
+                 on_error_value: float = 0.0) -> None:
+        if on_error not in ("value", "raise"):
+            raise ValueError(f"rewards.on_error must be value or raise, got {on_error!r}")
+        self.names = [loader.display_name(n) if isinstance(n, str) else n[0] for n in funcs]
+        self.weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
+        if len(self.weights) != len(funcs):
+            raise ValueError(f"got {len(self.weights)} reward weights for {len(funcs)} reward functions")
+        self.on_error, self.on_error_value, self.timeout_s = on_error, float(on_error_value), timeout_s
+        self._logged: set[tuple[int, str]] = set()
+        self._local: dict[int, Callable] = {}  # function index -> callable run in this process
+        self._remote: dict[int, int] = {}  # function index -> index into the pool's specs
+        specs = []
+        for f, name in enumerate(funcs):
+            if not isinstance(name, str):
+                self._local[f] = name[1]
+                continue
+            fn = loader.lookup(name)
+            if fn in loader.IN_PROCESS or not sandbox:
+                self._local[f] = fn if fn is not None else loader._load_plugin(name)[1]
+            else:
+                self._remote[f] = len(specs)
+                specs.append(loader.worker_spec(name, fn))
+        self.pool = WorkerPool(specs, size=min(num_workers, len(specs)), timeout_s=timeout_s) if specs else None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "RewardRunner":
+        """From a :class:`fastgrpo.config.RewardConfig`."""
+        return cls(cfg.funcs, weights=cfg.weights, sandbox=cfg.sandbox, num_workers=cfg.num_workers,
+                   timeout_s=cfg.timeout_s, on_error=cfg.on_error, on_error_value=cfg.on_error_value)
+
+    def wait_ready(self) -> None:
+        if self.pool is not None:
+            self.pool.wait_ready()
+
+    def interrupt(self) -> None:
+        """Abandon sandboxed calls in flight (SIGTERM); safe in a signal handler."""
+        if self.pool is not None:
+            self.pool.interrupt()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+    # -------------------------------------------------------------------------------------------- scoring
+
+    def __call__(self, completions: Sequence[Any], columns: Mapping[str, Sequence[Any]],
+                 only: Sequence[int] | None = None) -> RewardScores:
+        """Score ``completions`` with every function (or those in ``only``); ``columns`` are the other keyword
+        arguments (``prompts``, ``completion_ids``, dataset columns), each with N entries."""
+        import torch
+
+        n = len(completions)
+        for key, col in columns.items():
+            if len(col) != n:
+                raise ValueError(f"reward column {key!r} has {len(col)} entries for {n} completions")
+        kwargs = {"completions": list(completions), **{k: list(v) for k, v in columns.items()}}
+        funcs = list(range(len(self.names))) if only is None else list(only)
+        results: dict[int, Any] = {}
+        remote = [f for f in funcs if f in self._remote]
+        interrupted = False
+        if remote:
+            assert self.pool is not None
+            is_async_spec = self.pool.wait_ready()
+            sync = [f for f in remote if not is_async_spec[self._remote[f]]]
+            jobs = [[(self._remote[f], kwargs, n)] for f in sync]
+            async_ = [f for f in remote if is_async_spec[self._remote[f]]]
+            if async_:
+                jobs.append([(self._remote[f], kwargs, n) for f in async_])
+            try:
+                out = self.pool.run(jobs, while_waiting=lambda: self._run_local(funcs, kwargs, n, results))
+                for f, r in zip(sync + async_, [r for job in out for r in job]):
+                    results[f] = r
+            except Interrupted:
+                interrupted = True
+        else:
+            self._run_local(funcs, kwargs, n, results)
+
+        R_NF = torch.full((n, len(funcs)), math.nan, dtype=torch.float32)  # [N, F]
+        errors_F = torch.zeros(len(funcs), dtype=torch.float32)  # [F]
+        for j, f in enumerate(funcs):
+            if interrupted and f not in results:
+                R_NF[:, j] = self.on_error_value
+                continue
+            values, n_bad = self._settle(f, results[f], n)
+            R_NF[:, j] = torch.tensor(values, dtype=torch.float32)
+            errors_F[j] = n_bad
+        all_nan = torch.isnan(R_NF).all(dim=1)  # [N]
+        if n and funcs and bool(all_nan.any()):
+            warnings.warn(f"every reward function returned None for {int(all_nan.sum())} completion(s); they get "
+                          "reward 0", stacklevel=2)
+        w_F = torch.tensor([self.weights[f] for f in funcs], dtype=torch.float32)  # [F]
+        r_N = (R_NF * w_F).nansum(dim=1)  # [N]
+        return RewardScores(per_func=R_NF, total=r_N, errors=errors_F, interrupted=interrupted)
+
+    def reward_fn(self, f: int) -> Callable[..., list[float]]:
+        """Function ``f`` alone with TRL's signature (for evaluation), with the same sandbox and error policy."""
+
+        def fn(completions: Sequence[Any], **columns: Sequence[Any]) -> list[float]:
+            return self(completions, columns, only=[f]).per_func[:, 0].tolist()
+
+        return fn
+
+    def _run_local(self, funcs: list[int], kwargs: dict[str, Any], n: int, results: dict[int, Any]) -> None:
+        local = [f for f in funcs if f in self._local]
+        for f in local:
+            if not is_async(self._local[f]):
+                try:
+                    results[f] = call(self._local[f], kwargs, n, loop=self._event_loop())
+                except CallFailure as e:
+                    results[f] = e
+        async_ = [f for f in local if is_async(self._local[f])]
+        if async_:
+            calls = [(self._local[f], kwargs, n) for f in async_]
+            for f, r in zip(async_, self._event_loop().run_until_complete(gather(calls, self.timeout_s))):
+                results[f] = r
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
+    def _settle(self, f: int, result: Any, n: int) -> tuple[list[float], int]:
+        """Apply the error policy to one function's result: (N values, number of completions that failed)."""
+        if isinstance(result, CallFailure):
+            self._report(f, result.kind, result.message, result.tb)
+            return [self.on_error_value] * n, n
+        values, bad = result
+        for i, kind, message in bad:
+            self._report(f, kind, message, "")
+            values[i] = self.on_error_value
+        return values, len(bad)
+
+    def _report(self, f: int, kind: str, message: str, tb: str) -> None:
+        name = self.names[f]
+        if self.on_error == "raise":
+            if tb:
+                log.error("reward %r failed (%s):\n%s", name, kind, tb.rstrip())
+            raise RewardError(f"reward {name!r} {message} (rewards.on_error=raise; on_error=value scores such "
+                              "completions rewards.on_error_value and counts them)")
+        if (f, kind) in self._logged:
+            return
+        self._logged.add((f, kind))
+        detail = f"\n{tb.rstrip()}" if tb else ""
+        log.warning("reward %r %s; such completions score rewards.on_error_value=%g. This is the first %s failure "
+                    "of %r: later ones are only counted, in reward/%s/errors.%s", name, message,
+                    self.on_error_value, kind, name, name, detail)
+
+
+def combine_rewards(funcs: Sequence[tuple[str, Callable]], weights: Sequence[float] | None,
+                    completions: Sequence[Any], columns: Mapping[str, Sequence[Any]]) -> tuple[Any, Any]:
+    """Score with already loaded functions, in this process and strictly (any failure raises RewardError):
+    ``(R [N, F], r [N])``. A convenience for library use; the trainer holds a :class:`RewardRunner`."""
+    runner = RewardRunner(funcs, weights=weights, on_error="raise")
+    try:
+        scores = runner(completions, columns)
+    finally:
+        runner.close()
+    return scores.per_func, scores.total
