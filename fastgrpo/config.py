@@ -103,6 +103,10 @@ class ModelConfig:
 class DataConfig:
     source: str = "countdown"
     """'countdown' (seeded generator), 'toy' (the learning-test task), or a json/jsonl/parquet path or hub id."""
+    prompt_column: str = "prompt"
+    """File/hub data: the prompt column (a string, or a list of chat messages); every other column reaches the
+    reward functions as a keyword argument. Data without it is read by a preset: countdown {nums, target}, gsm8k
+    {question, answer}, math {problem, solution}."""
     template: str = field(default="chat", metadata=registry("fastgrpo.data.templates:TEMPLATES"))
     """Prompt template: 'chat' (the seeds' chat prompt) or 'base' (plain text ending in '<think>')."""
     system_prompt: str = SEEDS_SYSTEM_PROMPT
@@ -132,6 +136,7 @@ class DataConfig:
         _check(2 <= self.min_numbers <= self.max_numbers <= 6, f"{p}.min_numbers",
                "need 2 <= min_numbers <= max_numbers <= 6")
         _check(self.max_value >= 1, f"{p}.max_value", "must be >= 1")
+        _check(bool(self.prompt_column), f"{p}.prompt_column", "must not be empty")
 
 
 @dataclass(kw_only=True)
@@ -141,9 +146,16 @@ class RewardConfig:
     """Reward names from fastgrpo.rewards.REWARDS, or 'path/to/file.py:function' for your own."""
     weights: list[float] | None = None
     """One weight per reward function; None weighs each 1.0."""
+    kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Parameters per reward function, e.g. {cosine: {max_len: 512}, repetition: {n_grams: 4}} (keyed by name,
+    plugin spec or plugin function name); checked against the function's keyword parameters before any model loads."""
 
     def validate(self, p: str) -> None:
         _check(len(self.funcs) >= 1, f"{p}.funcs", "need at least one reward function")
+        _check(isinstance(self.kwargs, dict), f"{p}.kwargs", f"must be a mapping of reward name -> parameters, "
+               f"got {self.kwargs!r}")
+        for name, params in self.kwargs.items():
+            _check(isinstance(params, dict), f"{p}.kwargs.{name}", f"must be a mapping of parameters, got {params!r}")
         if self.weights is not None:
             _check(len(self.weights) == len(self.funcs), f"{p}.weights",
                    f"has {len(self.weights)} weights for {len(self.funcs)} reward functions {self.funcs}")

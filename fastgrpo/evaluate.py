@@ -21,10 +21,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def _correct(reward_fn: Callable, rows: list[dict[str, Any]], prompt_texts: list[str], groups: list) -> list[list[bool]]:
+def _correct(reward_fn: Callable, rows: list[dict[str, Any]], prompt_texts: list[str], groups: list,
+             prompt_column: str = "prompt") -> list[list[bool]]:
     n = len(groups[0])
     texts = [c.text for g in groups for c in g]
-    columns = reward_columns(rows, n, prompt_texts, [c.token_ids for g in groups for c in g])
+    columns = reward_columns(rows, n, prompt_texts, [c.token_ids for g in groups for c in g], prompt_column)
     scores = reward_fn(texts, **columns)
     ok = [s is not None and s >= 1.0 for s in scores]
     return [ok[i * n:(i + 1) * n] for i in range(len(groups))]

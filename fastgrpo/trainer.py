@@ -25,7 +25,7 @@ from fastgrpo.evaluate import evaluate
 from fastgrpo.metrics import RunLog, StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
 from fastgrpo.parallelize import parallelize_model, uses_fsdp
-from fastgrpo.rewards import load_reward_funcs
+from fastgrpo.rewards import check_reward_columns, configure_rewards, load_reward_funcs
 from fastgrpo.rollout import EngineSetup, RolloutEngine, SamplingParams, build_engine
 from fastgrpo.update import GRPOBatch, grpo_update
 
@@ -64,8 +64,12 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         # Cheap checks first: data and rewards fail before any model loads.
-        self.reward_funcs = load_reward_funcs(cfg.rewards.funcs)
+        self.reward_funcs = configure_rewards(load_reward_funcs(cfg.rewards.funcs), cfg.rewards.kwargs,
+                                              max_completion_length=cfg.rollout.max_completion_length,
+                                              specs=cfg.rewards.funcs)
         self.train_rows, self.eval_rows, self.data_info = build_datasets(cfg.data)
+        check_reward_columns(self.reward_funcs, {k for r in self.train_rows for k in r} - {cfg.data.prompt_column},
+                             source=cfg.data.source)
         self.sampler = PromptSampler(len(self.train_rows), seed=cfg.data.seed, rank=self.rank,
                                      world_size=self.world_size)
 
@@ -131,7 +135,8 @@ class Trainer:
 
     def _render(self, row: dict) -> str:
         return render_prompt(row, template=self.cfg.data.template, system_prompt=self.cfg.data.system_prompt,
-                             tokenizer=self.tokenizer, task=row.get("task", "countdown"))
+                             tokenizer=self.tokenizer, task=row.get("task", "countdown"),
+                             prompt_column=self.cfg.data.prompt_column)
 
     def prompt_token_bound(self) -> int:
         """An upper bound on the token count of every prompt of both splits, without tokenizing them (that took
@@ -164,7 +169,8 @@ class Trainer:
         try:
             return collect_episodes(self.engine, rows, texts, ids, group_size=g.num_generations, sampling=sampling,
                                     reward_funcs=self.reward_funcs, reward_weights=self.cfg.rewards.weights,
-                                    scale_rewards=g.scale_rewards, all_reduce=self._sum_over_ranks)
+                                    scale_rewards=g.scale_rewards, all_reduce=self._sum_over_ranks,
+                                    prompt_column=self.cfg.data.prompt_column)
         finally:
             self.engine.sleep()
 

@@ -274,3 +274,6 @@ def math_verify_reward(completions: list[Any], answer: list[Any] | None = None, 
     ``x^2+2x`` = ``x(x+2)``); without it, the same exact-number comparison as ``gsm8k``, after one warning.
     """
     return _score(completions, answer, "math", symbolic_match)
+
+
+gsm8k_reward.required_columns = math_verify_reward.required_columns = ("answer",)
