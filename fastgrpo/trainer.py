@@ -312,7 +312,8 @@ class Trainer:
         self.engine.wake()
         res = evaluate(self.engine, [self.eval_rows[i] for i in idx], texts, ids, reward_fn=fn,
                        best_of_n=e.best_of_n, temperature=e.temperature,
-                       max_tokens=self.cfg.rollout.max_completion_length, seed=self.cfg.seed + self.step)
+                       max_tokens=self.cfg.rollout.max_completion_length, seed=self.cfg.seed + self.step,
+                       prompt_column=self.cfg.data.prompt_column)
         names = sorted(res)
         vals = fdist.all_reduce_(torch.tensor([res[k] for k in names], device=self.device), "avg")
         return {f"eval/{k}": float(v) for k, v in zip(names, vals.tolist())}
