@@ -56,3 +56,19 @@ def test_torchrun_with_one_process_runs_like_python_dash_m(tmp_path):
                 "max_steps=1", "eval.every=-1", "checkpoint.export_hf=false"])
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "one" / "checkpoints" / "step_000001").is_dir()
+
+
+def test_two_processes_with_dynamic_sampling_and_the_algorithm_choices(tmp_path):
+    """Dynamic sampling's extra rounds are agreed over ranks (batch-std scaling and the update issue collectives),
+    so 2 processes whose groups differ finish without a deadlock; GSPO, truncation masking, self-imitation and the
+    entropy mask run under FSDP too."""
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), "-m", "fastgrpo.train", *ARGS, f"output_dir={tmp_path}", "name=algos",
+                "max_steps=2", "eval.every=-1", "checkpoint.export_hf=false", "grpo.scale_rewards=batch",
+                "grpo.dynamic_sampling=true", "grpo.dynamic_sampling_max_rounds=3",
+                "grpo.importance_sampling_level=sequence", "grpo.mask_truncated_completions=true",
+                "grpo.sil_top_k=1", "grpo.top_entropy_quantile=0.5"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "algos" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0 <= r["sampling/extra_rounds"] <= 3 and "policy/entropy" in r for r in rows)

@@ -51,4 +51,12 @@ def cosine_reward(completions: list[Any], completion_ids: list[list[int]], *, ac
     return out
 
 
-cosine_reward.required_columns = lambda bound: required_columns(REWARDS[bound.get("accuracy", "math")])
+def _accuracy_columns(bound: dict[str, Any]) -> tuple[str, ...]:
+    accuracy = bound.get("accuracy", "math")
+    if accuracy not in REWARDS or accuracy == "cosine":
+        raise ValueError(f"rewards.kwargs.cosine.accuracy: {accuracy!r} is not a correctness reward; choices: "
+                         f"{sorted(set(REWARDS) - {'cosine'})}")
+    return required_columns(REWARDS[accuracy])
+
+
+cosine_reward.required_columns = _accuracy_columns

@@ -56,7 +56,8 @@ def test_gspo_with_one_token_per_sequence_equals_token_level():
     assert a.item() == pytest.approx(b.item())
 
 
-@pytest.mark.parametrize("case", [dict(), dict(beta=0.1, delta=1.3), dict(old=False)], ids=["old", "beta-delta", "no-old"])
+@pytest.mark.parametrize("case", [dict(), dict(beta=0.1, delta=1.3), dict(old=False)],
+                         ids=["old", "beta-delta", "no-old"])
 def test_torch_gspo_matches_float64_reference(case):
     errs = grpo_errors(Shape(n=53, h=24, v=75), dtype=torch.float32, backend="torch", zero_weight_frac=0.3,
                        chunk_size=16, seed=4, sequences=6, **case)
