@@ -58,3 +58,18 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "
         raise ValueError(f"scale_rewards must be group, batch or none, got {scale!r}")
     zero = (grouped.max(dim=1).values - grouped.min(dim=1).values) == 0  # [B]
     return AdvantageResult(advantages=centred.reshape(-1), group_std=std, zero_std_mask=zero)
+
+
+def self_imitation_mask(rewards: torch.Tensor, group_size: int, top_k: int,
+                        min_reward: float | None = None) -> torch.Tensor:
+    """[S] bool: the ``top_k`` highest rewards of each group (ties: the earlier completion first), among those
+    eligible for imitation: reward >= ``min_reward``, or strictly above the group mean when it is None (so a group
+    of equal rewards imitates nothing)."""
+    grouped = rewards.float().view(-1, group_size)  # [B, G]
+    if min_reward is None:
+        eligible = grouped > grouped.mean(dim=1, keepdim=True)
+    else:
+        eligible = grouped >= min_reward
+    order = torch.argsort(-grouped, dim=1, stable=True)  # [B, G] best first
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(group_size).expand_as(order))  # [B, G]
+    return ((rank < top_k) & eligible).reshape(-1)

@@ -103,6 +103,10 @@ class ModelConfig:
 class DataConfig:
     source: str = "countdown"
     """'countdown' (seeded generator), 'toy' (the learning-test task), or a json/jsonl/parquet path or hub id."""
+    prompt_column: str = "prompt"
+    """File/hub data: the prompt column (a string, or a list of chat messages); every other column reaches the
+    reward functions as a keyword argument. Data without it is read by a preset: countdown {nums, target}, gsm8k
+    {question, answer}, math {problem, solution}."""
     template: str = field(default="chat", metadata=registry("fastgrpo.data.templates:TEMPLATES"))
     """Prompt template: 'chat' (the seeds' chat prompt) or 'base' (plain text ending in '<think>')."""
     system_prompt: str = SEEDS_SYSTEM_PROMPT
@@ -132,6 +136,7 @@ class DataConfig:
         _check(2 <= self.min_numbers <= self.max_numbers <= 6, f"{p}.min_numbers",
                "need 2 <= min_numbers <= max_numbers <= 6")
         _check(self.max_value >= 1, f"{p}.max_value", "must be >= 1")
+        _check(bool(self.prompt_column), f"{p}.prompt_column", "must not be empty")
 
 
 @dataclass(kw_only=True)
@@ -152,11 +157,18 @@ class RewardConfig:
     'value' scores the completions it affects on_error_value (counted in reward/<name>/errors); 'raise' stops."""
     on_error_value: float = 0.0
     """The reward a failed reward call gives each completion it affects (on_error: value)."""
+    kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Parameters per reward function, e.g. {cosine: {max_len: 512}, repetition: {n_grams: 4}} (keyed by name,
+    plugin spec or plugin function name); checked against the function's keyword parameters before any model loads."""
 
     def validate(self, p: str) -> None:
         _check(len(self.funcs) >= 1, f"{p}.funcs", "need at least one reward function")
         _check(self.num_workers >= 1, f"{p}.num_workers", "must be >= 1")
         _check(self.timeout_s > 0, f"{p}.timeout_s", "must be > 0")
+        _check(isinstance(self.kwargs, dict), f"{p}.kwargs", f"must be a mapping of reward name -> parameters, "
+               f"got {self.kwargs!r}")
+        for name, params in self.kwargs.items():
+            _check(isinstance(params, dict), f"{p}.kwargs.{name}", f"must be a mapping of parameters, got {params!r}")
         if self.weights is not None:
             _check(len(self.weights) == len(self.funcs), f"{p}.weights",
                    f"has {len(self.weights)} weights for {len(self.funcs)} reward functions {self.funcs}")
@@ -223,6 +235,31 @@ class GRPOConfig:
     """Policy updates per rollout batch (mu); > 1 uses stored old log-probs."""
     max_tokens_per_microbatch: int = 4096
     """Token budget of one packed micro-batch; gradients are accumulated across micro-batches."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """'token' (GRPO: one ratio per token) or 'sequence' (GSPO: exp(mean over the sequence of logp - old), shared by
+    its tokens, clipped at sequence_epsilon_low / sequence_epsilon_high)."""
+    sequence_epsilon_low: float = 3e-4
+    """Sequence level (GSPO): lower clip range of the sequence ratio (GSPO's paper: 3e-4)."""
+    sequence_epsilon_high: float = 4e-4
+    """Sequence level (GSPO): upper clip range of the sequence ratio (GSPO's paper: 4e-4)."""
+    mask_truncated_completions: bool = False
+    """DAPO's overlong filtering: completions cut at max_completion_length get no loss (and, for dapo, do not count
+    in the token normaliser); their rewards still shape the group's advantages."""
+    top_entropy_quantile: float = 1.0
+    """TRL's entropy mask: only tokens whose policy entropy is in the top fraction q of this rank's batch get loss
+    (0.2 = the 20% most uncertain tokens); 1.0 = all tokens. Costs one no-grad forward pass when < 1."""
+    sil_top_k: int = 0
+    """Self-imitation (easy-GRPO's 'sil'): the k best completions of each group (above the group mean, or at least
+    sil_min_reward) get an extra supervised term sil_coef * w * -logp; 0 = off."""
+    sil_coef: float = 0.1
+    """Weight of the self-imitation term (added to those completions' advantages: exact at num_iterations 1)."""
+    sil_min_reward: float | None = None
+    """Self-imitation: reward a completion needs to be imitated; None = strictly above its group's mean."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the batch has
+    prompts_per_step groups (at most dynamic_sampling_max_rounds extra rounds; then train on what was kept)."""
+    dynamic_sampling_max_rounds: int = 4
+    """Most extra rollout rounds per step for dynamic sampling."""
     head_backend: str = field(default="auto", metadata=registry("fastgrpo.kernels:BACKENDS"))
     """lm_head + loss kernel path (fastgrpo.kernels): 'auto' (cublas on CUDA, torch on CPU); 'cublas' (gradient
     formed in forward, three products, bf16 logits as in TRL); 'triton' (float32 logits recomputed in backward:
@@ -239,6 +276,13 @@ class GRPOConfig:
                "must exceed 1 + epsilon_high")
         _check(self.num_iterations >= 1, f"{p}.num_iterations", "must be >= 1")
         _check(self.max_tokens_per_microbatch >= 1, f"{p}.max_tokens_per_microbatch", "must be >= 1")
+        _check(0 <= self.sequence_epsilon_low < 1, f"{p}.sequence_epsilon_low", "must be in [0, 1)")
+        _check(self.sequence_epsilon_high >= 0, f"{p}.sequence_epsilon_high", "must be >= 0")
+        _check(0 < self.top_entropy_quantile <= 1, f"{p}.top_entropy_quantile", "must be in (0, 1]")
+        _check(0 <= self.sil_top_k <= self.num_generations, f"{p}.sil_top_k",
+               f"must be in [0, num_generations={self.num_generations}]")
+        _check(self.sil_coef >= 0, f"{p}.sil_coef", "must be >= 0")
+        _check(self.dynamic_sampling_max_rounds >= 0, f"{p}.dynamic_sampling_max_rounds", "must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -401,6 +445,9 @@ class TrainConfig:
             resolve_backend(self.grpo.head_backend, device, needs_grad=True)
         except ValueError as e:
             _fail("grpo.head_backend", f"{e}; use auto or torch on CPU")
+        _check(not (self.grpo.head_backend == "cublas" and self.grpo.importance_sampling_level == "sequence"),
+               "grpo.head_backend", "'cublas' forms each token's gradient before its sequence is complete, so it "
+               "has no sequence-level importance sampling; use auto (triton on CUDA) or triton")
 
 
 def _check_finite(node: Any, path: str) -> None:

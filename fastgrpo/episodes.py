@@ -57,10 +57,10 @@ class Episodes:
 
 
 def reward_columns(rows: list[dict[str, Any]], group_size: int, prompt_texts: list[str],
-                   completion_ids: list[list[int]]) -> dict[str, list[Any]]:
+                   completion_ids: list[list[int]], prompt_column: str = "prompt") -> dict[str, list[Any]]:
     """TRL's reward keyword arguments for B rows x G completions: every dataset column (each row repeated G times),
-    ``prompts`` (the rendered prompts, in place of a raw ``prompt`` column) and ``completion_ids``."""
-    keys = sorted({k for r in rows for k in r} - {"prompt", "completion_ids"})
+    ``prompts`` (the rendered prompts, in place of the raw prompt column) and ``completion_ids``."""
+    keys = sorted({k for r in rows for k in r} - {"prompt", prompt_column, "completion_ids"})
     columns = {k: [r.get(k) for r in rows for _ in range(group_size)] for k in keys}
     columns["prompts"] = [p for p in prompt_texts for _ in range(group_size)]
     columns["completion_ids"] = completion_ids
@@ -69,7 +69,8 @@ def reward_columns(rows: list[dict[str, Any]], group_size: int, prompt_texts: li
 
 def collect_episodes(engine: RolloutEngine, rows: list[dict[str, Any]], prompt_texts: list[str],
                      prompt_ids: list[list[int]], *, group_size: int, sampling: SamplingParams,
-                     rewards: RewardRunner, scale_rewards: str, all_reduce: Callable | None = None) -> Episodes:
+                     rewards: RewardRunner, scale_rewards: str, all_reduce: Callable | None = None,
+                     prompt_column: str = "prompt") -> Episodes:
     """Generate G completions per prompt, score them and compute group advantages."""
     groups = engine.generate(prompt_ids, group_size, sampling)  # [B][G]
     comps = [c for g in groups for c in g]  # [S]
@@ -79,7 +80,7 @@ def collect_episodes(engine: RolloutEngine, rows: list[dict[str, Any]], prompt_t
     s_prompt_ids = [p for p in prompt_ids for _ in range(group_size)]
     completion_ids = [list(c.token_ids) for c in comps]
     texts = [c.text for c in comps]
-    scores = rewards(texts, reward_columns(rows, group_size, prompt_texts, completion_ids))
+    scores = rewards(texts, reward_columns(rows, group_size, prompt_texts, completion_ids, prompt_column))
     adv = compute_advantages(scores.total, group_size, scale=scale_rewards, all_reduce=all_reduce)
     sampler_lp = None
     if all(c.logprobs is not None for c in comps):

@@ -16,6 +16,7 @@ import threading
 import torch
 
 from fastgrpo import checkpoint as ckpt
+from fastgrpo.advantages import self_imitation_mask
 from fastgrpo import distributed as fdist
 from fastgrpo import preflight
 from fastgrpo.config import TrainConfig, to_dict
@@ -27,8 +28,9 @@ from fastgrpo.guard import NonFiniteGuard
 from fastgrpo.metrics import RunLog, StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
 from fastgrpo.parallelize import parallelize_model, uses_fsdp
-from fastgrpo.rewards import RewardRunner
+from fastgrpo.rewards import RewardRunner, check_reward_columns
 from fastgrpo.rollout import EngineSetup, RolloutEngine, SamplingParams, build_engine
+from fastgrpo.sampling import dynamic_sample
 from fastgrpo.update import GRPOBatch, grpo_update
 
 # Test hook: SIGKILL this process in the middle of the given step (after its rollout, before its update), so the
@@ -68,9 +70,12 @@ class Trainer:
         # Cheap checks first: the launch, the run folder, data and rewards fail before any model loads.
         preflight.check_launch(cfg, self.world_size)
         preflight.check_run_dir(cfg)
-        self.rewards = RewardRunner.from_config(cfg.rewards)  # its workers import the rewards while data loads
+        # its workers import the rewards while data loads; rewards.kwargs are bound (and checked) here
+        self.rewards = RewardRunner.from_config(cfg.rewards, max_completion_length=cfg.rollout.max_completion_length)
         try:
             self.train_rows, self.eval_rows, self.data_info = build_datasets(cfg.data)
+            check_reward_columns(self.rewards.funcs, {k for r in self.train_rows for k in r} - {cfg.data.prompt_column},
+                                 source=cfg.data.source)
             self.rewards.wait_ready()
         except BaseException:
             self.rewards.close()
@@ -141,7 +146,8 @@ class Trainer:
 
     def _render(self, row: dict) -> str:
         return render_prompt(row, template=self.cfg.data.template, system_prompt=self.cfg.data.system_prompt,
-                             tokenizer=self.tokenizer, task=row.get("task", "countdown"))
+                             tokenizer=self.tokenizer, task=row.get("task", "countdown"),
+                             prompt_column=self.cfg.data.prompt_column)
 
     def prompt_token_bound(self) -> int:
         """An upper bound on the token count of every prompt of both splits, without tokenizing them (that took
@@ -162,21 +168,35 @@ class Trainer:
             ids.append(self.prompt_cache[key][1])
         return texts, ids
 
-    def rollout(self) -> Episodes:
-        g, r = self.cfg.grpo, self.cfg.rollout
-        idx = self.sampler.next_batch(g.prompts_per_step)
-        rows = [self.train_rows[i] for i in idx]
-        texts, ids = self.prompts(idx, self.train_rows)
-        seed = (self.cfg.seed * 1_000_003 + self.step * 7919 + self.rank) % (2**31)
-        sampling = SamplingParams(max_tokens=r.max_completion_length, temperature=r.temperature, top_p=r.top_p,
-                                  seed=seed, logprobs=r.importance_sampling_cap is not None)
+    def rollout(self, metrics: StepMetrics | None = None) -> Episodes:
+        """This step's episodes: B prompts x G completions, scored, with advantages; with ``grpo.dynamic_sampling``,
+        zero-variance groups are replaced by newly sampled ones (:func:`fastgrpo.sampling.dynamic_sample`)."""
+        g = self.cfg.grpo
         self.engine.wake()
         try:
-            return collect_episodes(self.engine, rows, texts, ids, group_size=g.num_generations, sampling=sampling,
-                                    rewards=self.rewards, scale_rewards=g.scale_rewards,
-                                    all_reduce=self._sum_over_ranks)
+            if not g.dynamic_sampling:
+                return self._rollout_round(g.prompts_per_step, 0)
+            return dynamic_sample(
+                self._rollout_round, num_prompts=g.prompts_per_step, group_size=g.num_generations,
+                max_rounds=g.dynamic_sampling_max_rounds, scale_rewards=g.scale_rewards,
+                any_rank=lambda flag: fdist.all_reduce_int(int(flag), "max", device=self.device) > 0,
+                all_reduce=self._sum_over_ranks, metrics=metrics if metrics is not None else StepMetrics())
         finally:
             self.engine.sleep()
+
+    def _rollout_round(self, num_prompts: int, round_index: int) -> Episodes:
+        """Roll out and score the next ``num_prompts`` prompts of this rank's order (round > 0: dynamic sampling)."""
+        g, r = self.cfg.grpo, self.cfg.rollout
+        idx = self.sampler.next_batch(num_prompts)
+        rows = [self.train_rows[i] for i in idx]
+        texts, ids = self.prompts(idx, self.train_rows)
+        seed = (self.cfg.seed * 1_000_003 + self.step * 7919 + self.rank + round_index * 104_729) % (2**31)
+        sampling = SamplingParams(max_tokens=r.max_completion_length, temperature=r.temperature, top_p=r.top_p,
+                                  seed=seed, logprobs=r.importance_sampling_cap is not None)
+        return collect_episodes(self.engine, rows, texts, ids, group_size=g.num_generations, sampling=sampling,
+                                rewards=self.rewards,
+                                scale_rewards=g.scale_rewards, all_reduce=self._sum_over_ranks,
+                                prompt_column=self.cfg.data.prompt_column)
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a (CPU) tensor over ranks, on this rank's device (NCCL reduces CUDA tensors only)."""
@@ -184,8 +204,14 @@ class Trainer:
 
     def policy_update(self, ep: Episodes, metrics: StepMetrics) -> None:
         """``grpo.num_iterations`` optimizer updates on this step's episodes (:func:`fastgrpo.update.grpo_update`)."""
-        batch = GRPOBatch(prompt_ids=ep.prompt_ids, completion_ids=ep.completion_ids,
-                          advantages=ep.adv.advantages, sampler_logprobs=ep.sampler_logprobs)
+        g = self.cfg.grpo
+        batch = GRPOBatch(
+            prompt_ids=ep.prompt_ids, completion_ids=ep.completion_ids, advantages=ep.adv.advantages,
+            sampler_logprobs=ep.sampler_logprobs,
+            sequence_mask=torch.tensor([f != "length" for f in ep.finish_reasons], dtype=torch.bool)
+            if g.mask_truncated_completions else None,
+            sil_mask=self_imitation_mask(ep.rewards, g.num_generations, g.sil_top_k, g.sil_min_reward)
+            if g.sil_top_k else None)
         grpo_update(self.model, batch, grpo=self.cfg.grpo, rollout=self.cfg.rollout, optimizer=self.optimizer,
                     scheduler=self.scheduler, max_grad_norm=self.cfg.optim.max_grad_norm, metrics=metrics,
                     device=self.device, ref_model=self.ref_model, pad_token_id=self.tokenizer.pad_token_id or 0,
@@ -264,7 +290,7 @@ class Trainer:
         metrics = StepMetrics()
         data_position = self.sampler.state_dict()
         with Timer() as t_roll:
-            ep = self.rollout()
+            ep = self.rollout(metrics)
         if self.step + 1 == int(os.environ.get(_FAULT_ENV, "-1")):
             os.kill(os.getpid(), signal.SIGKILL)
         if fdist.all_reduce_int(int(ep.interrupted), "max", device=self.device):
@@ -327,7 +353,8 @@ class Trainer:
         self.engine.wake()
         res = evaluate(self.engine, [self.eval_rows[i] for i in idx], texts, ids, reward_fn=fn,
                        best_of_n=e.best_of_n, temperature=e.temperature,
-                       max_tokens=self.cfg.rollout.max_completion_length, seed=self.cfg.seed + self.step)
+                       max_tokens=self.cfg.rollout.max_completion_length, seed=self.cfg.seed + self.step,
+                       prompt_column=self.cfg.data.prompt_column)
         names = sorted(res)
         vals = fdist.all_reduce_(torch.tensor([res[k] for k in names], device=self.device), "avg")
         return {f"eval/{k}": float(v) for k, v in zip(names, vals.tolist())}

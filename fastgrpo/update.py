@@ -31,7 +31,8 @@ from fastgrpo.losses import GlobalCounts, token_weights, truncated_importance_we
 from fastgrpo.metrics import StepMetrics
 from fastgrpo.packing import MicroBatch, pack, plan_microbatches, split_to_count
 
-__all__ = ["GRPOBatch", "HeadLoss", "grpo_update", "optimizer_update", "packed_logprobs", "plan_packed"]
+__all__ = ["GRPOBatch", "HeadLoss", "entropy_mask", "grpo_update", "optimizer_update", "packed_logprobs",
+           "plan_packed", "sequence_numbers"]
 
 HeadLoss = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``head_loss(mb, hidden [n, H], lm_head_weight [V, H]) -> (loss, stats)``: loss a scalar whose gradients add up
@@ -51,15 +52,22 @@ def plan_packed(prompt_ids: list[list[int]], completion_ids: list[list[int]], ma
 
 @torch.no_grad()
 def packed_logprobs(model: torch.nn.Module, mbs: list[MicroBatch], num_tokens: int, *, temperature: float,
-                    backend: str) -> torch.Tensor:
-    """Per-token log-probs [N] float32 of the target tokens under ``model`` (no [N, V] tensor)."""
-    out = torch.zeros(num_tokens, dtype=torch.float32, device=mbs[0].targets.device if mbs else "cpu")
+                    backend: str, with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs [N] float32 of the target tokens under ``model`` (no [N, V] tensor); with
+    ``with_entropy`` also the policy's entropy [N] at each of those positions."""
+    device = mbs[0].targets.device if mbs else "cpu"
+    out = torch.zeros(num_tokens, dtype=torch.float32, device=device)
+    ent = torch.zeros(num_tokens, dtype=torch.float32, device=device) if with_entropy else None
     for mb in mbs:
         # packed_forward runs trunk -> hidden [n, H] of target positions -> fn(hidden, lm_head.weight) inside FSDP's
         # hooks, so sharded (and tied) weights are gathered for the head too.
-        out[mb.flat_index] = model.packed_forward(
-            mb, lambda h, w, mb=mb: linear_logprobs(h, w, mb.targets, temperature=temperature, backend=backend))
-    return out
+        res = model.packed_forward(mb, lambda h, w, mb=mb: linear_logprobs(
+            h, w, mb.targets, temperature=temperature, backend=backend, return_entropy=with_entropy))
+        if with_entropy:
+            out[mb.flat_index], ent[mb.flat_index] = res
+        else:
+            out[mb.flat_index] = res
+    return (out, ent) if with_entropy else out
 
 
 def optimizer_update(model: torch.nn.Module, mbs: list[MicroBatch], head_loss: HeadLoss, *,
@@ -107,9 +115,30 @@ class GRPOBatch:
     """[S] one advantage per sequence."""
     sampler_logprobs: torch.Tensor | None = None
     """[N] the sampler's log-probs (truncated importance sampling), or None."""
+    sequence_mask: torch.Tensor | None = None
+    """[S] bool: sequences that get loss (False: truncated ones under mask_truncated_completions); None = all."""
+    sil_mask: torch.Tensor | None = None
+    """[S] bool: completions to imitate (self-imitation adds grpo.sil_coef to their advantages); None = none."""
 
 
 _LOGGED_STATS = ("clip_low_frac", "clip_high_frac", "kl_mean")
+
+
+def sequence_numbers(mb: MicroBatch, lengths: torch.Tensor) -> torch.Tensor:
+    """[n] the sequence of each target row of ``mb``, numbered 0..K-1 in row order (host tensor)."""
+    if not mb.seq_indices:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(mb.seq_indices)), lengths[mb.seq_indices])
+
+
+def entropy_mask(entropy: torch.Tensor, counted: torch.Tensor, quantile: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's top-entropy mask: (keep [N] bool, threshold) where keep marks counted tokens whose entropy is at least
+    the (1 - quantile) quantile of the counted tokens' entropies (this rank's batch)."""
+    values = entropy[counted]
+    if values.numel() == 0:
+        return counted.clone(), entropy.new_zeros(())
+    threshold = torch.quantile(values.float(), 1.0 - quantile)
+    return counted & (entropy >= threshold), threshold
 
 
 def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, rollout: RolloutConfig,
@@ -125,22 +154,40 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
     """
     lengths = torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.long)  # [S]
     n_tok = int(lengths.sum())  # N on this rank
+    keep = torch.ones(len(lengths), dtype=torch.bool) if batch.sequence_mask is None else batch.sequence_mask.cpu()
     counts = GlobalCounts(num_sequences=fdist.all_reduce_int(len(lengths), "sum", device=device),
-                          num_tokens=fdist.all_reduce_int(n_tok, "sum", device=device),
+                          # masked sequences leave the token normaliser (dapo), as in TRL
+                          num_tokens=fdist.all_reduce_int(int((lengths * keep).sum()), "sum", device=device),
                           max_completion_length=rollout.max_completion_length)
-    weights = token_weights(grpo.loss_type, lengths, counts).to(device)  # [N]
-    adv = torch.repeat_interleave(batch.advantages, lengths).to(device)  # [N]
+    weights = token_weights(grpo.loss_type, lengths, counts)  # [N]
+    weights = (weights * torch.repeat_interleave(keep.float(), lengths)).to(device)  # [N]
+    adv_seq = batch.advantages.float()  # [S]
+    if batch.sil_mask is not None:  # self-imitation: at ratio 1 the gradient of -(A + c) r is that of -(A + c) logp
+        adv_seq = adv_seq + grpo.sil_coef * batch.sil_mask.float()
+    adv = torch.repeat_interleave(adv_seq, lengths).to(device)  # [N]
     mbs = plan_packed(batch.prompt_ids, batch.completion_ids, grpo.max_tokens_per_microbatch, device=device,
                       pad_token_id=pad_token_id)
     # One kernel path for the loss and the old / reference log-probs: exp(logp - old) is exactly 1 while the policy
-    # has not moved.
-    backend = resolve_backend(grpo.head_backend, device, needs_grad=True)
+    # has not moved. Sequence level (GSPO) needs a recompute path: 'auto' then picks triton on CUDA.
+    sequence_level = grpo.importance_sampling_level == "sequence"
+    backend = resolve_backend(grpo.head_backend, device, needs_grad=not sequence_level)
+    eps_low, eps_high = ((grpo.sequence_epsilon_low, grpo.sequence_epsilon_high) if sequence_level
+                         else (grpo.epsilon_low, grpo.epsilon_high))
+    seq_numbers = {id(mb): sequence_numbers(mb, lengths).to(device) for mb in mbs} if sequence_level else {}
     logprobs = partial(packed_logprobs, mbs=mbs, num_tokens=n_tok, temperature=rollout.temperature, backend=backend)
 
     model.train()
     ref_lp = logprobs(ref_model) if ref_model is not None else None  # [N]
     old_lp = None
-    if grpo.num_iterations > 1 or batch.sampler_logprobs is not None:
+    if grpo.top_entropy_quantile < 1.0:  # entropies before the update decide which tokens get loss
+        current_lp, entropy = logprobs(model, with_entropy=True)  # [N], [N]
+        kept, threshold = entropy_mask(entropy, weights != 0, grpo.top_entropy_quantile)
+        metrics.set("policy/entropy_threshold", threshold)
+        metrics.set("policy/entropy_kept_frac", kept.sum() / (weights != 0).sum().clamp(min=1))
+        weights = weights * kept
+        if grpo.num_iterations > 1 or batch.sampler_logprobs is not None:
+            old_lp = current_lp
+    elif grpo.num_iterations > 1 or batch.sampler_logprobs is not None:
         old_lp = logprobs(model)  # [N]
     if batch.sampler_logprobs is not None:  # truncated importance sampling: sampler != trainer numerics
         is_w = truncated_importance_weights(old_lp, batch.sampler_logprobs.to(device),
@@ -152,15 +199,23 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
 
     def head_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor):  # hidden [n, H], weight [V, H]
         i = mb.flat_index
+        w = weights[i]  # [n]
         loss, stats = linear_grpo_loss(
-            hidden, weight, mb.targets, adv[i], weights[i],
+            hidden, weight, mb.targets, adv[i], w,
             old_logprobs=None if old_lp is None else old_lp[i], ref_logprobs=None if ref_lp is None else ref_lp[i],
-            epsilon_low=grpo.epsilon_low, epsilon_high=grpo.epsilon_high, delta=grpo.delta, beta=grpo.beta,
-            temperature=rollout.temperature, backend=backend)
-        return loss, {f"policy/{k}": stats[k] for k in _LOGGED_STATS}
+            epsilon_low=eps_low, epsilon_high=eps_high, delta=grpo.delta, beta=grpo.beta,
+            temperature=rollout.temperature, backend=backend, return_entropy=True,
+            sequence_index=seq_numbers.get(id(mb)))
+        counted = w != 0
+        entropy = (stats["entropy"] * counted).sum() / counted.sum().clamp(min=1)  # over tokens that get loss
+        return loss, {**{f"policy/{k}": stats[k] for k in _LOGGED_STATS}, "policy/entropy": entropy}
 
     for _ in range(grpo.num_iterations):
         optimizer_update(model, mbs, head_loss, optimizer=optimizer, scheduler=scheduler,
                          max_grad_norm=max_grad_norm, metrics=metrics, loss_divisor=grpo.num_iterations, guard=guard)
     metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_tokens for mb in mbs))))
+    if batch.sequence_mask is not None:
+        metrics.moments((~keep).float(), "policy/masked_seq_frac")
+    if batch.sil_mask is not None:
+        metrics.moments(batch.sil_mask.float(), "policy/sil_frac")
     return mbs

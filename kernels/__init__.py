@@ -6,7 +6,8 @@ Imports only torch (and Triton when available), so other trainers can vendor thi
         -> logp[N] float32 (, entropy[N] float32)
     linear_grpo_loss(hidden, weight, targets, advantages[N], token_weights[N], *, old_logprobs=None,
                      ref_logprobs=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
-                     temperature=1.0) -> (loss, stats)
+                     temperature=1.0, sequence_index=None) -> (loss, stats)
+        (sequence_index [N]: GSPO's sequence-level ratio, on the torch and triton paths)
 
 Backends (``backend="auto"`` picks; ``resolve_backend(backend, device, needs_grad)`` says which one a call runs):
   ``linear_grpo_loss`` on CUDA with a gradient to take: ``"cublas"`` (``_gradfwd.py``), the gradient formed in

@@ -4,6 +4,8 @@ Shapes: N rows (tokens), H hidden size, V vocabulary size.
 
 Per token (TRL's objective, so runs are comparable):
     r      = exp(logp - old)                      (old = logp.detach() when old_logprobs is None: r == 1)
+             or, with ``sequence_index`` (GSPO, sequence-level importance sampling), the sequence's ratio
+             exp(mean over its counted tokens of (logp - old)), the same for each of its tokens
     r_u    = r, or min(r, delta) when delta is set (two-sided clipping)
     l_pg   = -min(r_u * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
     k3     = exp(ref - logp) - (ref - logp) - 1    (only when beta != 0)
@@ -21,6 +23,12 @@ For ``"triton"`` and ``"torch"`` the token loss above is a handful of ``[N]`` ve
 hands to the fused op as ``g_logp[n] = token_weights[n] * dl_n/dlogp_n``; ``"cublas"`` uses the closed form of
 the same derivative (``_gradfwd.grpo_logp_grad``, tested against autograd).
 
+Sequence level (GSPO): the sequence means are segment sums over ``[N]`` vectors (``index_add`` by sequence), so
+the loss still needs only per-token log-probs and the recompute backends run it unchanged. The ``"cublas"`` path
+forms each row's gradient in forward before a sequence's other rows are known, so it does not take
+``sequence_index``; ``"auto"`` then picks ``"triton"`` on CUDA (and the trainer computes old / reference
+log-probs on that same path).
+
 Zero-weight tokens: every backend skips their softmax work in forward (``token_weights != 0``; the Triton paths
 select rows on the device, without a host sync); their ``stats["logprobs"]`` entries are 0. The recompute backends also skip,
 in backward, every row whose ``g_logp`` is 0 -- in particular tokens with advantage 0 when beta == 0 (whole
@@ -34,14 +42,31 @@ import torch
 from .backends import cublas_module, resolve_backend
 from .logprobs import check_inputs, fused_logprobs
 
-__all__ = ["linear_grpo_loss", "grpo_token_loss"]
+__all__ = ["linear_grpo_loss", "grpo_token_loss", "sequence_mean"]
 
 
-def grpo_token_loss(logp, advantages, *, old_logprobs, ref_logprobs, epsilon_low, epsilon_high, delta, beta):
-    """Per-token loss ``l [N]`` and the tensors the stats need, from ``logp [N]`` (float32, differentiable)."""
+def sequence_mean(values, sequence_index, counted):
+    """Each token's sequence mean of ``values [N]`` over the sequence's counted tokens, ``[N]`` (differentiable).
+
+    ``sequence_index [N]`` numbers the sequences 0..K-1 (K <= N); segment sums by ``index_add``, no host sync."""
+    n = values.shape[0]
+    c = counted.to(values.dtype)
+    sums = values.new_zeros(n).index_add(0, sequence_index, values * c)  # [N], entries >= K stay 0
+    count = values.new_zeros(n).index_add(0, sequence_index, c)  # [N]
+    return (sums / count.clamp(min=1))[sequence_index]  # [N]
+
+
+def grpo_token_loss(logp, advantages, *, old_logprobs, ref_logprobs, epsilon_low, epsilon_high, delta, beta,
+                    sequence_index=None, counted=None):
+    """Per-token loss ``l [N]`` and the tensors the stats need, from ``logp [N]`` (float32, differentiable).
+
+    ``sequence_index [N]`` (with ``counted [N]`` bool): the ratio is the sequence-level one (GSPO)."""
     old = logp.detach() if old_logprobs is None else old_logprobs.float()  # [N]
     adv = advantages.float()  # [N]
-    ratio = torch.exp(logp - old)  # [N]
+    log_ratio = logp - old  # [N]
+    if sequence_index is not None:
+        log_ratio = sequence_mean(log_ratio, sequence_index, counted)
+    ratio = torch.exp(log_ratio)  # [N]
     ratio_unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
     ratio_clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     loss = -torch.minimum(ratio_unclipped * adv, ratio_clipped * adv)  # [N]
@@ -70,6 +95,7 @@ def linear_grpo_loss(
     return_entropy: bool = False,
     backend: str = "auto",
     chunk_size: int | None = None,
+    sequence_index: torch.Tensor | None = None,
 ):
     """GRPO / DAPO / Dr. GRPO loss (the variant is in ``token_weights``) of an lm_head applied to ``hidden``.
 
@@ -87,6 +113,9 @@ def linear_grpo_loss(
         return_entropy: also return the softmax entropy per row in ``stats`` (not differentiated).
         backend: ``"auto"``, ``"cublas"``, ``"triton"`` or ``"torch"``; see the module docstring.
         chunk_size: rows per chunk (``"cublas"``: the ``[C, V]`` buffer; otherwise see ``linear_logprobs``).
+        sequence_index: ``[N]`` int64, the sequence (numbered 0..K-1) of each row: sequence-level importance
+            sampling (GSPO), the ratio of every token being its sequence's ``exp(mean(logp - old))`` over the
+            sequence's nonzero-weight rows. A sequence must lie wholly in this call. Not on ``"cublas"``.
 
     Returns:
         ``(loss, stats)``: ``loss`` a float32 scalar; ``stats`` device tensors, no host sync: ``logprobs [N]``
@@ -101,7 +130,8 @@ def linear_grpo_loss(
     if delta is not None and delta <= 0:
         raise ValueError(f"delta must be > 0 (TRL recommends > 1 + epsilon_high), got {delta}")
     for name, vec in (("advantages", advantages), ("token_weights", token_weights),
-                      ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+                      ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
+                      ("sequence_index", sequence_index)):
         if vec is not None and vec.shape != hidden.shape[:1]:
             raise ValueError(f"{name} must be [N]={hidden.shape[0]}, got {tuple(vec.shape)}")
 
@@ -109,7 +139,11 @@ def linear_grpo_loss(
     token_kw = dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, epsilon_low=epsilon_low,
                     epsilon_high=epsilon_high, delta=delta, beta=beta)
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    name = resolve_backend(backend, hidden.device, needs_grad=wants_grad)
+    # sequence level: the gradient-in-forward path cannot form a row's gradient before its sequence is complete
+    name = resolve_backend(backend, hidden.device, needs_grad=wants_grad and sequence_index is None)
+    if name == "cublas" and sequence_index is not None:
+        raise ValueError("linear_grpo_loss(backend='cublas') has no sequence-level importance sampling (it forms "
+                         "each row's gradient before its sequence's other rows are known): use 'triton' or 'auto'")
     if name == "cublas":
         check_inputs(hidden, weight, targets, temperature)
         grad_on = torch.is_grad_enabled()
@@ -119,7 +153,8 @@ def linear_grpo_loss(
     else:
         logp, entropy = fused_logprobs(hidden, weight, targets, active=counted, temperature=temperature,
                                        with_entropy=return_entropy, backend=name, chunk_size=chunk_size)
-        per_token, ratio, kl = grpo_token_loss(_with_old(logp, counted, old_logprobs), advantages, **token_kw)
+        per_token, ratio, kl = grpo_token_loss(_with_old(logp, counted, old_logprobs), advantages, **token_kw,
+                                               sequence_index=sequence_index, counted=counted)
         loss = (token_weights.float() * per_token).sum()
 
     adv = advantages

@@ -56,19 +56,31 @@ def reference_linear_grpo_loss(
     beta: float = 0.0,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    sequence_index: torch.Tensor | None = None,
 ):
-    """TRL's per-token GRPO objective, summed with ``token_weights``. Returns ``(loss, stats)``."""
+    """TRL's per-token GRPO objective, summed with ``token_weights``. Returns ``(loss, stats)``.
+
+    ``sequence_index [N]``: GSPO's sequence-level ratio, ``exp`` of the mean of ``logp - old`` over each
+    sequence's nonzero-weight tokens, shared by its tokens (a plain loop over sequences here)."""
     out = reference_linear_logprobs(hidden, weight, targets, temperature=temperature, return_entropy=return_entropy)
     logp, entropy = out if return_entropy else (out, None)
     old = logp.detach() if old_logprobs is None else old_logprobs.to(logp.dtype)
     adv = advantages.to(logp.dtype)  # [N]
 
-    ratio = torch.exp(logp - old)  # [N]
+    counted = token_weights != 0  # [N]
+    log_ratio = logp - old  # [N]
+    if sequence_index is not None:
+        per_seq = []
+        for s in range(int(sequence_index.max()) + 1):
+            rows = (sequence_index == s) & counted
+            mean = log_ratio[rows].mean() if rows.any() else log_ratio.new_zeros(())
+            per_seq.append(mean)
+        log_ratio = torch.stack(per_seq)[sequence_index.long()]  # [N]
+    ratio = torch.exp(log_ratio)  # [N]
     ratio_unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
     ratio_clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token = -torch.min(ratio_unclipped * adv, ratio_clipped * adv)  # [N]
 
-    counted = token_weights != 0  # [N]
     n_counted = counted.sum().clamp(min=1)
     kl_mean = torch.zeros((), dtype=logp.dtype, device=logp.device)
     if beta != 0.0:

@@ -89,3 +89,19 @@ def test_a_hanging_reward_on_one_rank_and_inf_on_the_other_cannot_stop_or_poison
     assert "did not finish within rewards.timeout_s=1 s" in out.stderr and "returned -inf" in out.stderr
     weights = load_file(tmp_path / "chaos" / "final" / "model.safetensors")
     assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_two_processes_with_dynamic_sampling_and_the_algorithm_choices(tmp_path):
+    """Dynamic sampling's extra rounds are agreed over ranks (batch-std scaling and the update issue collectives),
+    so 2 processes whose groups differ finish without a deadlock; GSPO, truncation masking, self-imitation and the
+    entropy mask run under FSDP too."""
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), "-m", "fastgrpo.train", *ARGS, f"output_dir={tmp_path}", "name=algos",
+                "max_steps=2", "eval.every=-1", "checkpoint.export_hf=false", "grpo.scale_rewards=batch",
+                "grpo.dynamic_sampling=true", "grpo.dynamic_sampling_max_rounds=3",
+                "grpo.importance_sampling_level=sequence", "grpo.mask_truncated_completions=true",
+                "grpo.sil_top_k=1", "grpo.top_entropy_quantile=0.5"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "algos" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0 <= r["sampling/extra_rounds"] <= 3 and "policy/entropy" in r for r in rows)

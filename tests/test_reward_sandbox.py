@@ -287,3 +287,21 @@ def test_math_verify_has_a_real_time_bound_on_adversarial_answers():
             assert scores.per_func[1, 0].item() in (0.0, 1.0)  # 1, unless the whole call was cut by the bound
     finally:
         runner.close()
+
+
+def test_reward_kwargs_reach_a_sandboxed_plugin_and_an_in_process_builtin(tmp_path):
+    from types import SimpleNamespace
+
+    path = tmp_path / "scaled.py"
+    path.write_text("def scaled(completions, scale=1.0, **kw):\n    return [scale * len(c) for c in completions]\n")
+    cfg = SimpleNamespace(funcs=[f"{path}:scaled", "toy_digit"], weights=None, sandbox=True, num_workers=1,
+                          timeout_s=30.0, on_error="raise", on_error_value=0.0,
+                          kwargs={"scaled": {"scale": 3.0}})
+    runner = RewardRunner.from_config(cfg)
+    try:
+        assert 0 in runner._remote  # the plugin really runs in a worker
+        scores = runner(["ab", "7xyz"], {"prompts": ["p", "p"], "completion_ids": [[1], [2]]})
+        assert scores.per_func[:, 0].tolist() == [6.0, 12.0]
+        assert scores.per_func[:, 1].tolist() == [0.0, 1.0]
+    finally:
+        runner.close()

@@ -1,8 +1,9 @@
 """Prompt data: sources (generators, files, hub), templates, and resumable per-rank sampling.
 
 ``build_datasets(cfg)`` turns a DataConfig into (train rows, eval rows, info). Each row is a dict holding its
-dataset columns (passed to reward functions as keyword arguments) plus ``"task"``, which picks the prompt's
-user message in :func:`render_prompt`.
+dataset columns (passed to reward functions as keyword arguments, except the prompt column) plus ``"task"``,
+which picks how :func:`render_prompt` builds the prompt: ``"prompt"`` for any dataset (the prompt is the column
+``DataConfig.prompt_column``), else a preset's user message (countdown, gsm8k, math, toy).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from fastgrpo.config import DataConfig
 from fastgrpo.data.countdown import countdown_splits, problem_key, solve
 from fastgrpo.data.files import SCHEMAS, file_splits, validate_rows
 from fastgrpo.data.sampler import PromptSampler
-from fastgrpo.data.templates import TEMPLATES, USER_MESSAGES, render_prompt
+from fastgrpo.data.templates import PROMPT_TASK, TEMPLATES, USER_MESSAGES, render_prompt
 from fastgrpo.data.toy import toy_splits
 
 Rows = list[dict[str, Any]]
@@ -55,14 +56,19 @@ def build_datasets(cfg: DataConfig, *, cache_dir: str | None = None) -> tuple[Ro
     else:
         train, eval_rows, info = file_splits(
             cfg.source, split=cfg.split, eval_split=cfg.eval_split, num_eval=cfg.num_eval, seed=cfg.seed,
-            skip_invalid_rows=cfg.skip_invalid_rows, cache_dir=cache_dir,
+            skip_invalid_rows=cfg.skip_invalid_rows, cache_dir=cache_dir, prompt_column=cfg.prompt_column,
         )
+        if info["task"] == PROMPT_TASK and cfg.template != "chat" and any(
+                not isinstance(r[cfg.prompt_column], str) for r in train + eval_rows):
+            raise ValueError(f"data.template={cfg.template!r} needs string prompts; column {cfg.prompt_column!r} of "
+                             f"{cfg.source!r} holds chat messages (use data.template='chat')")
     info.update(source=cfg.source, num_train=len(train), num_eval=len(eval_rows))
     return train, eval_rows, info
 
 
 __all__ = [
     "GENERATORS",
+    "PROMPT_TASK",
     "PromptSampler",
     "SCHEMAS",
     "TEMPLATES",

@@ -7,10 +7,14 @@ hub id, optionally with a config name after a colon (``openai/gsm8k:main``). JSO
 filled ``datasets`` cache with ``HF_DATASETS_OFFLINE=1``); the CPU test environment has none, so tests use
 local files only.
 
-The task is recognised from the columns: each entry of SCHEMAS names its required columns with a checker per
-column. A row with a missing or ill-typed required field raises ``ValueError`` naming the row index and the
-field; with ``skip_invalid_rows`` such rows are dropped and counted instead. Other columns pass through
-untouched (reward functions receive every column).
+Any dataset works: a row's prompt is its ``DataConfig.prompt_column`` (default ``prompt``): a string (the user
+message) or a list of chat messages ``[{"role": ..., "content": ...}]`` (rendered with the chat template as
+given). The built-in tasks are presets of that mapping, used when the prompt column is absent: each entry of
+SCHEMAS names its required columns with a checker per column and the user message its template builds
+(countdown ``{nums, target}``, gsm8k ``{question, answer}``, math ``{problem, solution}``, whose ``answer`` is
+derived from the solution's last ``\\boxed{}``). A row with a missing or ill-typed required field raises
+``ValueError`` naming the row index and the field; with ``skip_invalid_rows`` such rows are dropped and counted
+instead. Every other column passes through untouched: reward functions receive it as a keyword argument.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Hashable
 
 from fastgrpo.data.countdown import problem_key
+from fastgrpo.data.templates import PROMPT_TASK
 
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -56,6 +61,29 @@ def _str(value: Any) -> str:
     return value
 
 
+def _prompt(value: Any) -> Any:
+    """A prompt: a non-empty string, or a non-empty list of chat messages with string ``role`` and ``content``."""
+    if isinstance(value, str):
+        if not value:
+            raise _BadField("is an empty string")
+        return value
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise _BadField(f"must be a string or a list of chat messages {{'role': str, 'content': str}}, got {value!r}")
+
+
+def _boxed_answer(row: dict[str, Any]) -> dict[str, Any]:
+    """MATH rows: ``answer`` = the solution's last ``\\boxed{...}`` (the whole solution when it has none)."""
+    from fastgrpo.rewards.math_answer import boxed_content  # the rewards' own reader, so both agree
+
+    if row.get("answer") is None:
+        boxed = boxed_content(row["solution"])
+        row["answer"] = boxed if boxed is not None else row["solution"]
+    return row
+
+
 @dataclass(frozen=True, kw_only=True)
 class Schema:
     """Required columns of one task's rows."""
@@ -66,21 +94,34 @@ class Schema:
     """Column -> checker returning the normalised value (raises _BadField otherwise)."""
     key: Callable[[dict[str, Any]], Hashable]
     """Canonical identity of a row, for keeping held-out rows out of training."""
+    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    """Derives columns the task's rewards read from a validated row (math: ``answer`` from ``solution``)."""
 
 
 SCHEMAS: dict[str, Schema] = {
     "countdown": Schema(task="countdown", columns={"nums": _int_list, "target": _int}, key=problem_key),
     "gsm8k": Schema(task="gsm8k", columns={"question": _str, "answer": _str}, key=lambda r: r["question"]),
+    "math": Schema(task="math", columns={"problem": _str, "solution": _str}, key=lambda r: r["problem"],
+                   prepare=_boxed_answer),
 }
-"""Task name -> schema; a file's columns select the first schema whose required columns it has."""
+"""Preset name -> schema, for data without a prompt column: the first whose required columns a file has wins."""
 
 
-def detect_schema(column_names: list[str]) -> Schema:
+def prompt_schema(prompt_column: str) -> Schema:
+    """The schema of any dataset whose prompt is the column ``prompt_column``."""
+    return Schema(task=PROMPT_TASK, columns={prompt_column: _prompt},
+                  key=lambda r: json.dumps(r[prompt_column], sort_keys=True))
+
+
+def detect_schema(column_names: list[str], prompt_column: str = "prompt") -> Schema:
+    if prompt_column in column_names:
+        return prompt_schema(prompt_column)
     for schema in SCHEMAS.values():
         if set(schema.columns) <= set(column_names):
             return schema
     wanted = "; ".join(f"{name}: {sorted(s.columns)}" for name, s in SCHEMAS.items())
-    raise ValueError(f"dataset columns {sorted(column_names)} match no known task (needed columns: {wanted})")
+    raise ValueError(f"dataset columns {sorted(column_names)} have no prompt column {prompt_column!r} "
+                     f"(data.prompt_column) and match no known task (needed columns: {wanted})")
 
 
 def validate_rows(
@@ -100,6 +141,8 @@ def validate_rows(
                 where = f"row {i}" if lines is None else f"row {i} (line {lines[i]})"
                 problem = f"{where}: field {column!r} {e}"
                 break
+        if problem is None and schema.prepare is not None:
+            fixed = schema.prepare(fixed)
         if problem is not None:
             if not skip_invalid_rows:
                 raise ValueError(f"{problem} (set data.skip_invalid_rows=true to skip and count such rows)")
@@ -195,7 +238,7 @@ def _load_source(source: str, *, split: str, cache_dir: str | None) -> tuple[lis
 
 def file_splits(
     source: str, *, split: str, eval_split: str | None, num_eval: int, seed: int, skip_invalid_rows: bool,
-    cache_dir: str | None = None,
+    cache_dir: str | None = None, prompt_column: str = "prompt",
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """(train rows, eval rows, info) from a file or hub source; rows carry ``"task"``.
 
@@ -206,7 +249,7 @@ def file_splits(
     raw, lines = _load_source(source, split=split, cache_dir=cache_dir)
     if not raw:
         raise ValueError(f"data.source: {source!r} (split {split!r}) has no rows")
-    schema = detect_schema(sorted(set().union(*raw)))
+    schema = detect_schema(sorted({k for r in raw for k in r}), prompt_column)
     rows, skipped = validate_rows(raw, schema, skip_invalid_rows=skip_invalid_rows, lines=lines)
     skipped_eval = 0
     if eval_split is not None:

@@ -10,6 +10,10 @@ Two templates (DataConfig.template):
 
 Each task contributes one function row -> user message (USER_MESSAGES); each template one function
 (TEMPLATES). Adding a task or template is one entry, not a branch.
+
+Rows of any dataset (task ``prompt``) carry their prompt in a column (``prompt_column``): a string is the user
+message, as above; a list of chat messages is rendered by the chat template exactly as given (no system prompt
+added: the conversation is the dataset's), and is an error with the ``base`` template.
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ def gsm8k_user_message(row: dict[str, Any]) -> str:
     )
 
 
+def math_user_message(row: dict[str, Any]) -> str:
+    return (
+        f"{row['problem']}\nReason inside <think> </think> tags, then write only the final answer inside "
+        "<answer> </answer> tags."
+    )
+
+
 def toy_user_message(row: dict[str, Any]) -> str:
     return row["prompt"]
 
@@ -47,21 +58,27 @@ def toy_user_message(row: dict[str, Any]) -> str:
 USER_MESSAGES: dict[str, Callable[[dict[str, Any]], str]] = {
     "countdown": countdown_user_message,
     "gsm8k": gsm8k_user_message,
+    "math": math_user_message,
     "toy": toy_user_message,
 }
 """Task name -> row -> user message."""
 
 
-def _render_chat(user: str, *, system_prompt: str, tokenizer: Any) -> str:
+def render_messages(messages: list[dict[str, str]], *, tokenizer: Any) -> str:
+    """Chat messages -> prompt text, with the tokenizer's chat template and the assistant turn opened."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "data.template='chat' needs a tokenizer with a chat template; this one has none "
             "(use data.template='base' for base models)"
         )
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _render_chat(user: str, *, system_prompt: str, tokenizer: Any) -> str:
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
         {"role": "user", "content": user}
     ]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return render_messages(messages, tokenizer=tokenizer)
 
 
 def _render_base(user: str, *, system_prompt: str, tokenizer: Any) -> str:
@@ -72,13 +89,29 @@ TEMPLATES: dict[str, Callable[..., str]] = {"chat": _render_chat, "base": _rende
 """Template name -> (user message, system_prompt=, tokenizer=) -> prompt text."""
 
 
+PROMPT_TASK = "prompt"
+"""The task of rows whose prompt is a column (any dataset); see the module docstring."""
+
+
 def render_prompt(
-    row: dict[str, Any], *, template: str, system_prompt: str = "", tokenizer: Any = None, task: str | None = None
+    row: dict[str, Any], *, template: str, system_prompt: str = "", tokenizer: Any = None, task: str | None = None,
+    prompt_column: str = "prompt",
 ) -> str:
     """Prompt text for one row. ``task`` defaults to ``row["task"]`` (set by build_datasets)."""
     task = task if task is not None else row.get("task")
-    if task not in USER_MESSAGES:
-        raise ValueError(f"render_prompt: unknown task {task!r}; known tasks: {sorted(USER_MESSAGES)}")
     if template not in TEMPLATES:
         raise ValueError(f"render_prompt: unknown template {template!r}; known templates: {sorted(TEMPLATES)}")
-    return TEMPLATES[template](USER_MESSAGES[task](row), system_prompt=system_prompt, tokenizer=tokenizer)
+    if task == PROMPT_TASK:
+        prompt = row[prompt_column]
+        if not isinstance(prompt, str):  # chat messages, validated when the data was read
+            if template != "chat":
+                raise ValueError(f"data.template={template!r} needs string prompts; column {prompt_column!r} holds "
+                                 "chat messages (use data.template='chat')")
+            return render_messages(prompt, tokenizer=tokenizer)
+        user = prompt
+    elif task in USER_MESSAGES:
+        user = USER_MESSAGES[task](row)
+    else:
+        raise ValueError(f"render_prompt: unknown task {task!r}; known tasks: {sorted(USER_MESSAGES)} and "
+                         f"{PROMPT_TASK!r} (a prompt column)")
+    return TEMPLATES[template](user, system_prompt=system_prompt, tokenizer=tokenizer)

@@ -10,6 +10,11 @@ from fastgrpo.rewards.format import as_text, format_reward, is_well_formatted, l
 from fastgrpo.rewards.loader import REWARDS, RewardFunc, load_reward_funcs, register_reward
 from fastgrpo.rewards.math_answer import gsm8k_reward, math_verify_reward
 from fastgrpo.rewards.scoring import RewardRunner, RewardScores, combine_rewards
+# The seeds' shaping rewards register themselves on import.
+from fastgrpo.rewards.columns import check_reward_columns, configure_rewards, required_columns
+from fastgrpo.rewards.cosine import cosine_reward
+from fastgrpo.rewards.overlong import soft_overlong_reward
+from fastgrpo.rewards.repetition import repetition_reward
 from fastgrpo.rewards.toy import toy_digit_reward
 
 __all__ = [
@@ -18,7 +23,10 @@ __all__ = [
     "RewardRunner",
     "RewardScores",
     "as_text",
+    "check_reward_columns",
     "combine_rewards",
+    "configure_rewards",
+    "cosine_reward",
     "countdown_reward",
     "format_reward",
     "gsm8k_reward",
@@ -27,6 +35,9 @@ __all__ = [
     "load_reward_funcs",
     "math_verify_reward",
     "register_reward",
+    "repetition_reward",
+    "required_columns",
     "score_equation",
+    "soft_overlong_reward",
     "toy_digit_reward",
 ]

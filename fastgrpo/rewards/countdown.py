@@ -148,3 +148,6 @@ def countdown_reward(
         answer = last_answer(as_text(completion))
         scores.append(0.0 if answer is None else score_equation(answer, row_nums, row_target))
     return scores
+
+
+countdown_reward.required_columns = ("nums", "target")

@@ -274,3 +274,17 @@ def math_verify_reward(completions: list[Any], answer: list[Any] | None = None, 
     ``x^2+2x`` = ``x(x+2)``); without it, the same exact-number comparison as ``gsm8k``, after one warning.
     """
     return _score(completions, answer, "math", symbolic_match)
+
+
+def answer_key(completion: Any) -> Any:
+    """What majority voting (maj@n) compares: the exact value of a numeric final answer, else its normalised text;
+    None when the completion states no answer."""
+    answer = final_answer(completion)
+    if answer is None:
+        return None
+    value = parse_number(answer)
+    return value if value is not None else (normalize_answer(answer) or None)
+
+
+gsm8k_reward.required_columns = math_verify_reward.required_columns = ("answer",)
+gsm8k_reward.answer_key = math_verify_reward.answer_key = answer_key

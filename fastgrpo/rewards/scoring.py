@@ -52,10 +52,16 @@ class RewardRunner:
 
     def __init__(self, funcs: Sequence[str | tuple[str, Callable]], *, weights: Sequence[float] | None = None, sandbox: bool = True,
                  num_workers: int = 2, timeout_s: float = 60.0, on_error: str = "value",
-                 on_error_value: float = 0.0) -> None:
+                 on_error_value: float = 0.0, params: Sequence[Mapping[str, Any]] | None = None) -> None:
         if on_error not in ("value", "raise"):
             raise ValueError(f"rewards.on_error must be value or raise, got {on_error!r}")
         self.names = [loader.display_name(n) if isinstance(n, str) else n[0] for n in funcs]
+        # keyword parameters bound to each function (rewards.kwargs): added to its call's keyword arguments, so a
+        # sandboxed function gets them in its worker as well
+        self.params = [dict(p or {}) for p in params] if params is not None else [{} for _ in funcs]
+        if len(self.params) != len(funcs):
+            raise ValueError(f"got {len(self.params)} parameter sets for {len(funcs)} reward functions")
+        self.funcs: list[tuple[str, Callable]] = []  # (name, function with its parameters bound), set by from_config
         self.weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
         if len(self.weights) != len(funcs):
             raise ValueError(f"got {len(self.weights)} reward weights for {len(funcs)} reward functions")
@@ -78,10 +84,22 @@ class RewardRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "RewardRunner":
-        """From a :class:`fastgrpo.config.RewardConfig`."""
-        return cls(cfg.funcs, weights=cfg.weights, sandbox=cfg.sandbox, num_workers=cfg.num_workers,
-                   timeout_s=cfg.timeout_s, on_error=cfg.on_error, on_error_value=cfg.on_error_value)
+    def from_config(cls, cfg: Any, *, max_completion_length: int | None = None) -> "RewardRunner":
+        """From a :class:`fastgrpo.config.RewardConfig`. ``rewards.kwargs`` are checked against each function's
+        parameters and bound (:func:`fastgrpo.rewards.columns.configure_rewards`) before any worker starts; the
+        bound functions are kept in ``funcs`` for the dataset-column check."""
+        import functools
+
+        from fastgrpo.rewards.columns import configure_rewards
+
+        bound = configure_rewards(loader.load_reward_funcs(cfg.funcs), cfg.kwargs,
+                                  max_completion_length=max_completion_length, specs=cfg.funcs)
+        params = [fn.keywords if isinstance(fn, functools.partial) else {} for _, fn in bound]
+        runner = cls(cfg.funcs, weights=cfg.weights, sandbox=cfg.sandbox, num_workers=cfg.num_workers,
+                     timeout_s=cfg.timeout_s, on_error=cfg.on_error, on_error_value=cfg.on_error_value,
+                     params=params)
+        runner.funcs = bound
+        return runner
 
     def wait_ready(self) -> None:
         if self.pool is not None:
@@ -120,10 +138,10 @@ class RewardRunner:
             assert self.pool is not None
             is_async_spec = self.pool.wait_ready()
             sync = [f for f in remote if not is_async_spec[self._remote[f]]]
-            jobs = [[(self._remote[f], kwargs, n)] for f in sync]
+            jobs = [[(self._remote[f], {**kwargs, **self.params[f]}, n)] for f in sync]
             async_ = [f for f in remote if is_async_spec[self._remote[f]]]
             if async_:
-                jobs.append([(self._remote[f], kwargs, n) for f in async_])
+                jobs.append([(self._remote[f], {**kwargs, **self.params[f]}, n) for f in async_])
             try:
                 out = self.pool.run(jobs, while_waiting=lambda: self._run_local(funcs, kwargs, n, results))
                 for f, r in zip(sync + async_, [r for job in out for r in job]):
@@ -163,12 +181,12 @@ class RewardRunner:
         for f in local:
             if not is_async(self._local[f]):
                 try:
-                    results[f] = call(self._local[f], kwargs, n, loop=self._event_loop())
+                    results[f] = call(self._local[f], {**kwargs, **self.params[f]}, n, loop=self._event_loop())
                 except CallFailure as e:
                     results[f] = e
         async_ = [f for f in local if is_async(self._local[f])]
         if async_:
-            calls = [(self._local[f], kwargs, n) for f in async_]
+            calls = [(self._local[f], {**kwargs, **self.params[f]}, n) for f in async_]
             for f, r in zip(async_, self._event_loop().run_until_complete(gather(calls, self.timeout_s))):
                 results[f] = r
 

@@ -43,7 +43,8 @@ def logprobs_errors(shape: Shape, *, dtype, backend, temperature=1.0, entropy=Fa
 
 
 def grpo_errors(shape: Shape, *, dtype, backend, old=True, beta=0.0, delta=None, temperature=1.0,
-                zero_weight_frac=0.25, entropy=False, chunk_size=None, seed=0, epsilon_high=0.2):
+                zero_weight_frac=0.25, entropy=False, chunk_size=None, seed=0, epsilon_high=0.2, sequences=None):
+    """``sequences=K``: sequence-level importance sampling (GSPO) with rows drawn into K sequences."""
     inp = make_inputs(shape, dtype=dtype, seed=seed, zero_weight_frac=zero_weight_frac)
     hidden, weight, targets = inp["hidden"], inp["weight"], inp["targets"]
     adv, tw = inp["advantages"], inp["token_weights"]
@@ -54,6 +55,9 @@ def grpo_errors(shape: Shape, *, dtype, backend, old=True, beta=0.0, delta=None,
         ref_logprobs=perturbed(logp_exact, std=0.2, seed=seed + 2) if beta else None,
         delta=delta, beta=beta, temperature=temperature, epsilon_high=epsilon_high,
     )
+    if sequences is not None:
+        gen = torch.Generator().manual_seed(seed + 3)
+        kw["sequence_index"] = torch.randint(0, sequences, (shape.n,), generator=gen).to(hidden.device)
     loss, stats = linear_grpo_loss(hidden, weight, targets, adv, tw, return_entropy=entropy, backend=backend,
                                    chunk_size=chunk_size, **kw)
     loss_ref, stats_ref = reference_linear_grpo_loss(h64, w64, targets, adv.double(), tw.double(),

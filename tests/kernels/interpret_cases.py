@@ -41,6 +41,20 @@ def test_triton_grpo_loss_skips_zero_weight_rows(dtype, case):
     assert_small(errs, TOL, grad_tol=TOL if dtype == torch.float32 else BF16_GRAD_TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_gspo_sequence_level_matches_reference(dtype):
+    errs = grpo_errors(SHAPE, dtype=dtype, backend="triton", zero_weight_frac=0.3, chunk_size=16, seed=5, beta=0.1,
+                       sequences=5)
+    assert_small(errs, TOL, grad_tol=TOL if dtype == torch.float32 else BF16_GRAD_TOL)
+
+
+def test_cublas_refuses_sequence_level_clearly():
+    inp = make_inputs(SHAPE, dtype=torch.float32, seed=3)
+    with pytest.raises(ValueError, match="no sequence-level importance sampling"):
+        linear_grpo_loss(inp["hidden"], inp["weight"], inp["targets"], inp["advantages"], inp["token_weights"],
+                         backend="cublas", sequence_index=torch.zeros(SHAPE.n, dtype=torch.long))
+
+
 def test_triton_grpo_all_zero_weights():
     inp = make_inputs(SHAPE, dtype=torch.float32, seed=3)
     loss, stats = linear_grpo_loss(inp["hidden"], inp["weight"], inp["targets"], inp["advantages"],
