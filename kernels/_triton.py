@@ -3,19 +3,30 @@
 Shapes: N rows (tokens), H hidden, V vocabulary, S vocabulary splits, C rows per backward chunk.
 Notation: ``x = hidden @ weight.T`` (raw logits), ``z = x / T`` (T = temperature), ``p = softmax(z)``.
 
-Forward (``_fwd_kernel``): grid ``(N / BLOCK_M, S)``. Each program owns BLOCK_M rows and one contiguous range of
-vocabulary tiles; per tile it computes ``z`` with ``tl.dot`` over H and folds it into an online log-sum-exp
-``(m, s)``, ``a = sum exp(z - m) * z`` (for the entropy) and the target logit. The S partials per row are
-merged in torch (``[S, N]`` vectors). Splitting the vocabulary keeps every SM busy when N is small (N=1 still
-gets ``cdiv(V, BLOCK_V)`` programs).
+Forward (``_fwd_kernel``): ``R x S`` programs (R = N / BLOCK_M row blocks, S vocabulary splits). Each owns BLOCK_M
+rows and one contiguous range of vocabulary tiles; per tile it computes ``z`` with ``tl.dot`` over H and folds it
+into an online log-sum-exp ``(m, s)``, ``a = sum exp(z - m) * z`` (for the entropy) and the target logit. The S
+partials per row are merged in torch (``[S, N]`` vectors). Splitting the vocabulary keeps every SM busy when N is
+small (N=1 still gets many programs).
 
-Backward, in row chunks of C rows (C * V elements of ``dx``, at most ``_DX_BUDGET_BYTES``):
+Backward, in balanced row chunks of C rows (C * V elements of ``dx``, at most ``_DX_BUDGET_BYTES``):
   ``_dlogits_kernel``  recomputes the logits tile and writes
                        ``dx = (g_logp * (onehot - p) - g_ent * p * (z - sum_pz)) / T`` into a ``[C, V]``
                        buffer (in the inputs' dtype, as cuBLAS-based chunked losses do);
-  ``_dhidden_kernel``  grad_hidden[rows] = dx @ W              (K loop over V)
-  ``_dweight_kernel``  grad_weight += dx.T @ hidden[rows]      (K loop over the chunk's rows; one float32
-                       ``[V, H]`` buffer, read-modify-write per chunk, no atomics: each program owns its tile)
+  ``_dhidden_kernel``  grad_hidden[rows] = dx @ W              (K loop over V, optionally split: split-K)
+  ``_dweight_kernel``  grad_weight += dx.T @ hidden[rows]      (K loop over the chunk's rows; the first chunk
+                       writes, later ones add to a float32 ``[V, H]`` sum, the last writes the weight's dtype; one
+                       chunk writes the gradient directly. No atomics: each program owns its tile)
+
+Schedule (host side, see the "schedule" section below; benchmarks/roofline.py models it for an H100 / H200):
+  * launch order: 1-D grids walked in groups (``_tile_ids``), so the programs resident at one time share their
+    operands in L2: in forward and ``_dlogits_kernel`` a group's hidden row blocks (re-read for every vocabulary
+    tile) fit half the L2; in ``_dweight_kernel`` H tiles are the fast axis, so each ``dx`` column tile is read
+    from HBM once, not H / BLOCK_H times;
+  * grid sizes from occupancy: programs per SM come from the compiled kernel's registers and shared memory
+    (``programs_per_sm``), and the vocabulary splits (forward) and the K splits (``_dhidden_kernel``) are chosen
+    so that the last wave is nearly full.
+
 Why materialise ``dx`` per chunk rather than fuse all three products into one kernel? A fused kernel must
 either hold a ``[BLOCK_M, H]`` grad_hidden accumulator (too large for registers at H=4096) or atomically add
 into grad_hidden once per vocabulary tile (V / BLOCK_V ~ 1000 float32 atomics per element). The ``[C, V]``
@@ -24,7 +35,8 @@ per cent of the products' time on an H100 (estimate from bandwidth and peak flop
 
 Zero rows cost nothing, without a host sync: rows are reordered on the device so the selected ones come first
 (a stable argsort) and their count is passed as a device pointer; a program whose rows all lie past the count
-returns at once, and ``_dweight_kernel``'s loop stops at the count. Backward selects rows whose upstream
+returns at once, and ``_dweight_kernel``'s loop stops at the count (a chunk with no selected row still
+writes in its first and last modes). Backward selects rows whose upstream
 gradient is nonzero (token weight 0, or advantage 0 with beta 0); forward selects the ``active`` rows given by
 the caller (``linear_grpo_loss`` passes ``token_weights != 0``).
 
@@ -34,6 +46,7 @@ In the Triton CPU interpreter (``TRITON_INTERPRET=1``) ``tl.dot`` on bf16 operan
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -96,13 +109,27 @@ def _logits_tile(h_ptr, w_ptr, rows, mask_m, offs_v, mask_v, Hdim, stride_h, str
 
 
 @triton.jit
+def _tile_ids(pid, num_a, num_b, group_a):
+    # Grouped launch order: program ids run in order, so the ~SM-count programs resident at one time have
+    # consecutive ids. Walking ``group_a`` tiles of axis a fastest, then axis b, makes them cover a
+    # group_a x (resident / group_a) patch of tiles instead of one long row of axis a: data indexed by a (e.g. a
+    # row block of hidden, re-read for every vocabulary tile) is then a small set that stays in L2, and data
+    # indexed by b (a weight tile) is read from HBM once for group_a programs. Returns (pid_a, pid_b).
+    per_group = group_a * num_b
+    group = pid // per_group
+    first = group * group_a
+    size = tl.minimum(num_a - first, group_a)  # the last group may be short
+    local = pid - group * per_group
+    return first + local % size, local // size
+
+
+@triton.jit
 def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr,
                 m_ptr, s_ptr, a_ptr, zt_ptr,  # [S, N] float32 partials
-                N, V, Hdim, stride_h, stride_w, inv_temp, tiles_per_split,
+                N, V, Hdim, stride_h, stride_w, inv_temp, tiles_per_split, num_m, splits, group_m,
                 HAS_ROWS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    pid_m, pid_s = _tile_ids(tl.program_id(0), num_m, splits, group_m)
     n_rows = _row_count(n_active_ptr, N, HAS_ROWS)
     if pid_m * BLOCK_M >= n_rows:
         return
@@ -152,11 +179,10 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr,
 @triton.jit
 def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr,
                     lse_ptr, spz_ptr, glp_ptr, gent_ptr, dx_ptr,  # [N] x4 float32, dx [C, V]
-                    row_start, chunk_rows, V, Hdim, stride_h, stride_w, stride_dx, inv_temp,
+                    row_start, chunk_rows, V, Hdim, stride_h, stride_w, stride_dx, inv_temp, num_m, num_v, group_m,
                     HAS_ENT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    pid_m, pid_v = _tile_ids(tl.program_id(0), num_m, num_v, group_m)
     row_end = tl.minimum(row_start + chunk_rows, tl.load(n_active_ptr))
     if row_start + pid_m * BLOCK_M >= row_end:
         return
@@ -182,12 +208,17 @@ def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr,
 
 
 @triton.jit
-def _dhidden_kernel(dx_ptr, w_ptr, rows_ptr, n_active_ptr, dh_ptr,
-                    row_start, chunk_rows, V, Hdim, stride_dx, stride_w, stride_dh,
-                    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+def _dhidden_kernel(dx_ptr, w_ptr, rows_ptr, n_active_ptr, dh_ptr, part_ptr,
+                    row_start, chunk_rows, V, Hdim, stride_dx, stride_w, stride_dh, k_len, num_m, num_h, group_m,
+                    SPLIT_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    # Split-K: program pid_k covers vocabulary range [pid_k * k_len, (pid_k + 1) * k_len) and writes a float32
+    # partial [C, H] slice of part_ptr ([S, C, H]); the launcher sums the S partials (in a fixed order, so the
+    # result does not depend on scheduling, unlike atomics). Without it, the result goes to grad_hidden's rows.
+    pid = tl.program_id(0)
+    per_split = num_m * num_h
+    pid_k = pid // per_split
+    pid_m, pid_h = _tile_ids(pid - pid_k * per_split, num_m, num_h, group_m)
     row_end = tl.minimum(row_start + chunk_rows, tl.load(n_active_ptr))
     if row_start + pid_m * BLOCK_M >= row_end:
         return
@@ -195,12 +226,14 @@ def _dhidden_kernel(dx_ptr, w_ptr, rows_ptr, n_active_ptr, dh_ptr,
     mask_m = row_start + offs_c < row_end
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < Hdim
+    k_first = pid_k * k_len
+    k_end = tl.minimum(V, k_first + k_len)
     offs_k = tl.arange(0, BLOCK_K)
-    dx_ptrs = dx_ptr + offs_c[:, None].to(tl.int64) * stride_dx + offs_k[None, :]  # [BM, BK]
-    w_ptrs = w_ptr + offs_k[:, None].to(tl.int64) * stride_w + offs_h[None, :]  # [BK, BH]
+    dx_ptrs = dx_ptr + offs_c[:, None].to(tl.int64) * stride_dx + (k_first + offs_k)[None, :]  # [BM, BK]
+    w_ptrs = w_ptr + (k_first + offs_k)[:, None].to(tl.int64) * stride_w + offs_h[None, :]  # [BK, BH]
     acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-    for k in range(0, V, BLOCK_K):
-        k_ok = offs_k < V - k
+    for k in range(k_first, k_end, BLOCK_K):
+        k_ok = offs_k < k_end - k
         a = tl.load(dx_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & mask_h[None, :], other=0.0)
         if UPCAST:
@@ -209,20 +242,29 @@ def _dhidden_kernel(dx_ptr, w_ptr, rows_ptr, n_active_ptr, dh_ptr,
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         dx_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_w
-    rows = _row_ids(rows_ptr, row_start + offs_c, mask_m, True)
-    ptrs = dh_ptr + rows[:, None] * stride_dh + offs_h[None, :]
-    tl.store(ptrs, acc.to(dh_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_h[None, :])
+    mask = mask_m[:, None] & mask_h[None, :]
+    if SPLIT_K:
+        ptrs = part_ptr + (pid_k * chunk_rows + offs_c[:, None]).to(tl.int64) * Hdim + offs_h[None, :]
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        rows = _row_ids(rows_ptr, row_start + offs_c, mask_m, True)
+        ptrs = dh_ptr + rows[:, None] * stride_dh + offs_h[None, :]
+        tl.store(ptrs, acc.to(dh_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _dweight_kernel(dx_ptr, h_ptr, rows_ptr, n_active_ptr, dw_ptr,
-                    row_start, chunk_rows, V, Hdim, stride_dx, stride_h, stride_dw,
+def _dweight_kernel(dx_ptr, h_ptr, rows_ptr, n_active_ptr, acc_ptr, out_ptr,
+                    row_start, chunk_rows, V, Hdim, stride_dx, stride_h, stride_dw, mode, num_h, num_v, group_h,
                     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_v = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    # out[tile] = dx.T @ hidden[rows] (mode 0), or acc[tile] + that (mode 1: out is acc, the float32 running
+    # sum; mode 2: the last chunk, out is the gradient in its own dtype). So the first chunk only writes, the
+    # last writes the final dtype, and a single chunk needs no float32 [V, H] buffer at all.
+    # H tiles are the fast axis (group_h of them): the programs resident together read the same few dx column
+    # tiles, once from HBM, and the chunk's hidden rows (C x H, sized by the launcher to fit L2).
+    pid_h, pid_v = _tile_ids(tl.program_id(0), num_h, num_v, group_h)
     n_chunk = tl.minimum(row_start + chunk_rows, tl.load(n_active_ptr)) - row_start
-    if n_chunk <= 0:
+    if (n_chunk <= 0) & (mode == 1):  # no selected rows: the running sum is already right
         return
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < V
@@ -242,9 +284,11 @@ def _dweight_kernel(dx_ptr, h_ptr, rows_ptr, n_active_ptr, dw_ptr,
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    ptrs = dw_ptr + offs_v[:, None].to(tl.int64) * stride_dw + offs_h[None, :]
+    offs = offs_v[:, None].to(tl.int64) * stride_dw + offs_h[None, :]
     mask = mask_v[:, None] & mask_h[None, :]
-    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + acc, mask=mask)
+    if mode != 0:
+        acc += tl.load(acc_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -279,43 +323,142 @@ def _launch_kw(cfg: dict, *names: str) -> dict:
     return kw
 
 
-def _num_programs_target(device) -> int:
+# ------------------------------------------------------------------------------------ schedule (host side)
+# Grids are sized from what the hardware holds at once, so that the last wave is not mostly idle:
+#   slots   = SMs x programs per SM (from the compiled kernel's registers, shared memory and warps);
+#   waves   = ceil(programs / slots); a kernel's time ~ waves x the work of one program.
+# benchmarks/roofline.py models the same schedule with the sm_90 compile's figures, without a GPU.
+
+_CPU_SLOTS = 16  # the interpreter: as if on a small GPU, so the tests' tiny shapes still split the vocabulary
+_L2_BYTES_DEFAULT = 50 << 20  # H100 / H200
+_MAX_SPLIT_K = 8
+
+
+def programs_per_sm(regs: int, smem_bytes: int, num_warps: int, *, regs_per_sm: int = 65536,
+                    smem_per_sm: int = 233472, threads_per_sm: int = 2048, max_blocks: int = 32) -> int:
+    """Programs (CTAs) of one kernel resident on one SM (sm_90 defaults): registers are allocated per warp in
+    units of 256, each CTA reserves 1 KiB of shared memory beyond what it asks for."""
+    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = (regs_per_sm // regs_per_warp) // num_warps
+    by_smem = smem_per_sm // (smem_bytes + 1024)
+    by_threads = threads_per_sm // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads, max_blocks))
+
+
+_SLOTS: dict = {}
+
+
+def _resident_programs(kernel, args, kw, device) -> int:
+    """Programs of ``kernel`` (compiled for ``args``/``kw``) that the whole device holds at once. On CUDA this
+    compiles the kernel ahead of its launch (``warmup``, cached by Triton) and reads its register count; the
+    answer is cached per kernel variant, so the schedule of a call never depends on what ran before it."""
+    if device.type != "cuda":
+        return _CPU_SLOTS
+    key = (kernel.__name__, device.index, str(args[0].dtype), tuple(sorted(kw.items())))
+    if key not in _SLOTS:
+        props = torch.cuda.get_device_properties(device)
+        try:
+            compiled = kernel.warmup(*args, grid=(1,), **kw)
+            compiled._init_handles()  # loads the binary: fills n_regs
+            per_sm = programs_per_sm(
+                compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps,
+                regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536),
+                smem_per_sm=getattr(props, "shared_memory_per_multiprocessor", 233472),
+                threads_per_sm=getattr(props, "max_threads_per_multi_processor", 2048))
+        except Exception:  # pragma: no cover - a Triton whose CompiledKernel differs: assume one program per SM
+            per_sm = 1
+        _SLOTS[key] = per_sm * props.multi_processor_count
+    return _SLOTS[key]
+
+
+def _l2_bytes(device) -> int:
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or _L2_BYTES_DEFAULT
+    return _L2_BYTES_DEFAULT
+
+
+def l2_group(reused_bytes_per_tile: int, n_tiles: int, l2_bytes: int) -> int:
+    """Tiles of the reused axis in one launch group (``_tile_ids``): as many as half the L2 holds."""
+    return max(1, min(n_tiles, (l2_bytes // 2) // max(1, reused_bytes_per_tile)))
+
+
+@functools.lru_cache(maxsize=1024)
+def fwd_splits(n: int, vocab: int, block_m: int, block_v: int, slots: int) -> tuple[int, int]:
+    """``(splits, tiles_per_split)`` of the forward's vocabulary: the fewest splits whose waves x tiles per
+    program is within 2% of the best (more splits mean shorter programs, hence a less idle last wave)."""
+    n_tiles = triton.cdiv(vocab, block_v)
+    row_blocks = triton.cdiv(n, block_m)
+    options = []
+    for s in range(1, min(n_tiles, 2 * slots) + 1):
+        per = triton.cdiv(n_tiles, s)
+        s_eff = triton.cdiv(n_tiles, per)  # every split starts on a valid tile
+        options.append((triton.cdiv(row_blocks * s_eff, slots) * per, s_eff, per))
+    best = min(t for t, _, _ in options)
+    _, splits, per = next(o for o in options if o[0] <= 1.02 * best)
+    return splits, per
+
+
+def split_k(programs: int, k_tiles: int, slots: int) -> int:
+    """K splits for a grid of ``programs`` equal programs: the fewest that bring waves x K tiles per program
+    within 3% of the best over 1..``_MAX_SPLIT_K`` (each split adds a float32 partial to write and sum)."""
+    options = [(triton.cdiv(programs * s, slots) * triton.cdiv(k_tiles, s), s)
+               for s in range(1, min(_MAX_SPLIT_K, k_tiles) + 1)]
+    best = min(t for t, _ in options)
+    return next(s for t, s in options if t <= 1.03 * best)
+
+
+def backward_chunk(n: int, vocab: int, elt: int, block_m: int, chunk_size: int | None) -> int:
+    """Rows per backward chunk: a multiple of BLOCK_M within the ``dx`` budget (or ``chunk_size``), and the
+    chunks balanced (N=4096 at the 1 GiB budget: two of 2048, not 3456 + 640, whose small tail left SMs idle)."""
+    if chunk_size is None:
+        chunk_size = _DX_BUDGET_BYTES // (vocab * elt)
+    cap = max(block_m, min(chunk_size, triton.cdiv(n, block_m) * block_m) // block_m * block_m)
+    n_chunks = triton.cdiv(n, cap)
+    return min(cap, triton.cdiv(triton.cdiv(n, n_chunks), block_m) * block_m)
 
 
 def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_size, blocks=None):
     """Returns ``(logp, entropy, lse, sum_pz)``, each ``[N]`` float32; rows outside ``active`` are 0.
 
     The entropy comes free with the online log-sum-exp, so ``with_entropy`` is ignored; ``chunk_size`` only
-    concerns backward.
+    concerns backward. ``blocks`` overrides the tile sizes (and may pin ``SPLITS`` / ``GROUP``, for tests).
     """
     del with_entropy, chunk_size
     hidden, weight = hidden.contiguous(), weight.contiguous()
     n, h_dim = hidden.shape
     vocab = weight.shape[0]
+    dev = hidden.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    if n == 0:
+        return tuple(torch.zeros(0, **f32) for _ in range(4))
     cfg = _blocks(hidden.dtype, blocks)
-    rows, n_active = _compact(active, n, hidden.device)
-
-    n_tiles = triton.cdiv(vocab, cfg["BLOCK_V"])
+    rows, n_active = _compact(active, n, dev)
     row_blocks = triton.cdiv(n, cfg["BLOCK_M"])
-    splits = min(n_tiles, max(1, triton.cdiv(_num_programs_target(hidden.device), row_blocks)))
-    tiles_per_split = triton.cdiv(n_tiles, splits)
-    splits = triton.cdiv(n_tiles, tiles_per_split)  # every split starts on a valid tile
+    n_tiles = triton.cdiv(vocab, cfg["BLOCK_V"])
 
-    f32 = dict(dtype=torch.float32, device=hidden.device)
+    kw = dict(HAS_ROWS=rows is not None, UPCAST=INTERPRET, PRECISION=_precision(hidden.dtype),
+              **_launch_kw(cfg, "BLOCK_M", "BLOCK_V", "BLOCK_K"))
+    ones = torch.ones((1, n), **f32)
+
+    def args(splits, per, group, parts=(ones,) * 4):
+        return (hidden, weight, targets, rows if rows is not None else targets, n_active, *parts,
+                n, vocab, h_dim, hidden.stride(0), weight.stride(0), inv_temp, per, row_blocks, splits, group)
+
+    if "SPLITS" in cfg:
+        splits = cfg["SPLITS"]
+        per = triton.cdiv(n_tiles, splits)
+        splits = triton.cdiv(n_tiles, per)
+    else:
+        slots = _resident_programs(_fwd_kernel, args(2, 2, 2), kw, dev)
+        splits, per = fwd_splits(n, vocab, cfg["BLOCK_M"], cfg["BLOCK_V"], slots)
+    # Hidden row blocks are re-read for every vocabulary tile: a group's blocks must stay in L2.
+    group = cfg.get("GROUP") or l2_group(cfg["BLOCK_M"] * h_dim * hidden.element_size(), row_blocks, _l2_bytes(dev))
+
     m_part = torch.zeros((splits, n), **f32)  # [S, N]
     s_part = torch.ones((splits, n), **f32)  # rows never written stay finite
     a_part = torch.zeros((splits, n), **f32)
     zt_part = torch.zeros((splits, n), **f32)
-    _fwd_kernel[(row_blocks, splits)](
-        hidden, weight, targets, rows if rows is not None else targets, n_active,
-        m_part, s_part, a_part, zt_part,
-        n, vocab, h_dim, hidden.stride(0), weight.stride(0), inv_temp, tiles_per_split,
-        HAS_ROWS=rows is not None, UPCAST=INTERPRET, PRECISION=_precision(hidden.dtype),
-        **_launch_kw(cfg, "BLOCK_M", "BLOCK_V", "BLOCK_K"),
-    )
+    _fwd_kernel[(row_blocks * splits,)](*args(splits, per, group, (m_part, s_part, a_part, zt_part)), **kw)
     m_max = m_part.max(0).values  # [N]
     scale = torch.exp(m_part - m_max)  # [S, N]
     s = (s_part * scale).sum(0)
@@ -330,41 +473,74 @@ def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_si
 
 
 def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_temp, chunk_size, blocks=None):
-    """Gradients w.r.t. ``hidden`` and ``weight``; see the module docstring for the maths and the chunking."""
+    """Gradients w.r.t. ``hidden`` and ``weight``; see the module docstring for the maths and the chunking.
+    ``blocks`` overrides the tile sizes (and may pin ``SPLIT_K`` / ``GROUP``, for tests)."""
     hidden, weight = hidden.contiguous(), weight.contiguous()
     n, h_dim = hidden.shape
     vocab = weight.shape[0]
+    dev = hidden.device
+    grad_hidden = torch.zeros_like(hidden)  # [N, H]; unselected rows stay 0
+    if n == 0:
+        return grad_hidden, torch.zeros_like(weight)
     cfg = _blocks(hidden.dtype, blocks)
+    elt = hidden.element_size()
     g_logp = g_logp.float().contiguous()
     nonzero = g_logp != 0
     if g_entropy is not None:
         g_entropy = g_entropy.float().contiguous()
         nonzero |= g_entropy != 0
-    rows, n_active = _compact(nonzero, n, hidden.device)
+    rows, n_active = _compact(nonzero, n, dev)
 
-    bm = cfg["BLOCK_M"]
-    if chunk_size is None:
-        chunk_size = _DX_BUDGET_BYTES // (vocab * hidden.element_size())
-    chunk = max(bm, min(chunk_size, triton.cdiv(n, bm) * bm) // bm * bm)  # multiple of BLOCK_M
-    dx = torch.empty((chunk, vocab), dtype=hidden.dtype, device=hidden.device)  # [C, V]
-    grad_hidden = torch.zeros_like(hidden)  # [N, H]; unselected rows stay 0
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # [V, H]
+    bm, bv, bh = cfg["BLOCK_M"], cfg["BLOCK_V"], cfg["BLOCK_H"]
+    chunk = backward_chunk(n, vocab, elt, bm, chunk_size)
+    n_chunks = triton.cdiv(n, chunk)
+    num_m, num_v, num_h = chunk // bm, triton.cdiv(vocab, bv), triton.cdiv(h_dim, bh)
+    l2 = _l2_bytes(dev)
+    dx = torch.empty((chunk, vocab), dtype=hidden.dtype, device=dev)  # [C, V]
+    # grad_weight: written directly in its dtype when there is one chunk; else summed in a float32 buffer that
+    # the last chunk reads and converts (see _dweight_kernel's modes).
+    grad_weight = torch.empty_like(weight)
+    acc_w = grad_weight if n_chunks == 1 else torch.empty(weight.shape, dtype=torch.float32, device=dev)  # [V, H]
     common = dict(UPCAST=INTERPRET, PRECISION=_precision(hidden.dtype))
-    for start in range(0, n, chunk):
-        _dlogits_kernel[(chunk // bm, triton.cdiv(vocab, cfg["BLOCK_V"]))](
+    group_m = cfg.get("GROUP") or l2_group(bm * h_dim * elt, num_m, l2)  # dlogits re-reads hidden row blocks
+    group_h = cfg.get("GROUP") or l2_group(chunk * bh * elt, num_h, l2)  # dweight re-reads hidden column tiles
+    group_dh = cfg.get("GROUP") or 8  # dhidden: dx row blocks and weight column tiles are both streamed over V
+
+    dh_kw = dict(common, **_launch_kw(cfg, "BLOCK_M", "BLOCK_H", "BLOCK_K"))
+    k_tiles = triton.cdiv(vocab, cfg["BLOCK_K"])
+
+    def dh_args(start, k_len, s, part):
+        return (dx, weight, rows, n_active, grad_hidden, part, start, chunk, vocab, h_dim, dx.stride(0),
+                weight.stride(0), grad_hidden.stride(0), k_len, num_m, num_h, group_dh)
+
+    if "SPLIT_K" in cfg:
+        n_split = cfg["SPLIT_K"]
+    else:  # the tail: programs = row blocks x H tiles is often just over a multiple of the resident count
+        slots = _resident_programs(_dhidden_kernel, dh_args(0, 2, 1, dx), dict(dh_kw, SPLIT_K=False), dev)
+        n_split = split_k(num_m * num_h, k_tiles, slots)
+    k_len = triton.cdiv(k_tiles, n_split) * cfg["BLOCK_K"]
+    n_split = triton.cdiv(vocab, k_len)
+    part = torch.empty((n_split, chunk, h_dim), dtype=torch.float32, device=dev) if n_split > 1 else dx  # [S, C, H]
+
+    for i, start in enumerate(range(0, n, chunk)):
+        _dlogits_kernel[(num_m * num_v,)](
             hidden, weight, targets, rows, n_active,
             lse, sum_pz, g_logp, g_entropy if g_entropy is not None else g_logp, dx,
             start, chunk, vocab, h_dim, hidden.stride(0), weight.stride(0), dx.stride(0), inv_temp,
+            num_m, num_v, group_m,
             HAS_ENT=g_entropy is not None, **common, **_launch_kw(cfg, "BLOCK_M", "BLOCK_V", "BLOCK_K"),
         )
-        _dhidden_kernel[(chunk // bm, triton.cdiv(h_dim, cfg["BLOCK_H"]))](
-            dx, weight, rows, n_active, grad_hidden,
-            start, chunk, vocab, h_dim, dx.stride(0), weight.stride(0), grad_hidden.stride(0),
-            **common, **_launch_kw(cfg, "BLOCK_M", "BLOCK_H", "BLOCK_K"),
-        )
-        _dweight_kernel[(triton.cdiv(vocab, cfg["BLOCK_V"]), triton.cdiv(h_dim, cfg["BLOCK_H"]))](
-            dx, hidden, rows, n_active, grad_weight,
-            start, chunk, vocab, h_dim, dx.stride(0), hidden.stride(0), grad_weight.stride(0),
+        if n_split > 1:
+            part.zero_()  # row blocks past the selected count return without writing
+        _dhidden_kernel[(num_m * num_h * n_split,)](*dh_args(start, k_len, n_split, part), SPLIT_K=n_split > 1,
+                                                    **dh_kw)
+        if n_split > 1:
+            c = min(chunk, n - start)
+            grad_hidden.index_copy_(0, rows[start:start + c].long(), part[:, :c].sum(0).to(hidden.dtype))
+        mode = 0 if i == 0 else (2 if i == n_chunks - 1 else 1)
+        _dweight_kernel[(num_h * num_v,)](
+            dx, hidden, rows, n_active, acc_w, grad_weight if mode == 2 else acc_w,
+            start, chunk, vocab, h_dim, dx.stride(0), hidden.stride(0), acc_w.stride(0), mode, num_h, num_v, group_h,
             **common, **_launch_kw(cfg, "BLOCK_V", "BLOCK_H", "BLOCK_K"),
         )
-    return grad_hidden, grad_weight.to(weight.dtype)
+    return grad_hidden, grad_weight
