@@ -9,7 +9,8 @@ into an online log-sum-exp ``(m, s)``, ``a = sum exp(z - m) * z`` (for the entro
 partials per row are merged in torch (``[S, N]`` vectors). Splitting the vocabulary keeps every SM busy when N is
 small (N=1 still gets many programs).
 
-Backward, in balanced row chunks of C rows (C * V elements of ``dx``, at most ``_DX_BUDGET_BYTES``):
+Backward, in balanced row chunks of C rows (C * V elements of ``dx``, at most ``_DX_BUDGET_BYTES``, or all rows
+when that needs no more memory than chunking; see ``backward_chunk``):
   ``_dlogits_kernel``  recomputes the logits tile and writes
                        ``dx = (g_logp * (onehot - p) - g_ent * p * (z - sum_pz)) / T`` into a ``[C, V]``
                        buffer (in the inputs' dtype, as cuBLAS-based chunked losses do);
@@ -244,8 +245,9 @@ def _dhidden_kernel(dx_ptr, w_ptr, rows_ptr, n_active_ptr, dh_ptr, part_ptr,
         w_ptrs += BLOCK_K * stride_w
     mask = mask_m[:, None] & mask_h[None, :]
     if SPLIT_K:
-        ptrs = part_ptr + (pid_k * chunk_rows + offs_c[:, None]).to(tl.int64) * Hdim + offs_h[None, :]
-        tl.store(ptrs, acc, mask=mask)
+        # A scalar base and 32-bit offsets (C * H < 2**31): a [BM, BH] tile of 64-bit offsets cost 34 registers.
+        part = part_ptr + pid_k.to(tl.int64) * chunk_rows * Hdim
+        tl.store(part + offs_c[:, None] * Hdim + offs_h[None, :], acc, mask=mask)
     else:
         rows = _row_ids(rows_ptr, row_start + offs_c, mask_m, True)
         ptrs = dh_ptr + rows[:, None] * stride_dh + offs_h[None, :]
@@ -407,12 +409,17 @@ def split_k(programs: int, k_tiles: int, slots: int) -> int:
     return next(s for t, s in options if t <= 1.03 * best)
 
 
-def backward_chunk(n: int, vocab: int, elt: int, block_m: int, chunk_size: int | None) -> int:
-    """Rows per backward chunk: a multiple of BLOCK_M within the ``dx`` budget (or ``chunk_size``), and the
-    chunks balanced (N=4096 at the 1 GiB budget: two of 2048, not 3456 + 640, whose small tail left SMs idle)."""
+def backward_chunk(n: int, vocab: int, h_dim: int, elt: int, block_m: int, chunk_size: int | None) -> int:
+    """Rows per backward chunk, a multiple of BLOCK_M. Without ``chunk_size``: the whole batch when its ``dx``
+    takes no more memory than chunking would (several chunks also need the float32 ``[V, H]`` sum of
+    ``grad_weight``), else balanced chunks within ``_DX_BUDGET_BYTES`` (N=16384: five of 3328 rows, not four of
+    3456 and a tail of 2560)."""
+    whole = triton.cdiv(n, block_m) * block_m
     if chunk_size is None:
+        if whole * vocab * elt <= _DX_BUDGET_BYTES + 4 * vocab * h_dim:
+            return whole
         chunk_size = _DX_BUDGET_BYTES // (vocab * elt)
-    cap = max(block_m, min(chunk_size, triton.cdiv(n, block_m) * block_m) // block_m * block_m)
+    cap = max(block_m, min(chunk_size, whole) // block_m * block_m)
     n_chunks = triton.cdiv(n, cap)
     return min(cap, triton.cdiv(triton.cdiv(n, n_chunks), block_m) * block_m)
 
@@ -492,7 +499,7 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
     rows, n_active = _compact(nonzero, n, dev)
 
     bm, bv, bh = cfg["BLOCK_M"], cfg["BLOCK_V"], cfg["BLOCK_H"]
-    chunk = backward_chunk(n, vocab, elt, bm, chunk_size)
+    chunk = backward_chunk(n, vocab, h_dim, elt, bm, chunk_size)
     n_chunks = triton.cdiv(n, chunk)
     num_m, num_v, num_h = chunk // bm, triton.cdiv(vocab, bv), triton.cdiv(h_dim, bh)
     l2 = _l2_bytes(dev)

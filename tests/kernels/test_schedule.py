@@ -36,22 +36,24 @@ def test_forward_splits_fill_the_last_wave(n):
         assert wave_efficiency(32 * 9, -(-tiles // 9), SMS) < 0.75
 
 
-def test_backward_chunks_are_balanced_multiples_of_the_row_block():
-    assert _triton.backward_chunk(4096, V, 2, 128, None) == 2048  # not 3456 + 640
-    chunk = _triton.backward_chunk(16384, V, 2, 128, None)
+def test_backward_chunks_whole_batch_when_it_saves_memory_else_balanced():
+    # N=4096: dx for all rows (1.24 GB) is less than two chunks' dx plus the float32 [V, H] sum they need.
+    assert _triton.backward_chunk(4096, V, 2048, 2, 128, None) == 4096
+    chunk = _triton.backward_chunk(16384, V, 3584, 2, 128, None)
     assert chunk % 128 == 0 and chunk * V * 2 <= _triton._DX_BUDGET_BYTES and -(-16384 // chunk) == 5
-    assert 5 * chunk - 16384 < 128 * 5  # at most one row block of padding per chunk
-    assert _triton.backward_chunk(37, 75, 4, 16, 16) == 16 and _triton.backward_chunk(5, 75, 4, 16, None) == 16
+    assert 5 * chunk - 16384 < 128 * 5  # at most one row block of padding per chunk (not 4 x 3456 + 2560)
+    assert _triton.backward_chunk(37, 75, 24, 4, 16, 16) == 16 and _triton.backward_chunk(5, 75, 24, 4, 16, None) == 16
+    assert _triton.backward_chunk(300, 75, 24, 4, 16, 128) == 112  # 3 chunks of 112, not 128 + 128 + 44
 
 
 def test_split_k_removes_most_of_dhidden_tail():
     slots = 2 * SMS  # _dhidden_kernel: 2 programs per SM
     k_tiles = -(-V // 64)
-    programs = (3328 // 128) * (2048 // 128)  # N=16384, H=2048: 416 programs, 1.58 waves
+    programs = (3328 // 128) * (2048 // 128)  # a 3328-row chunk at H=2048: 416 programs, 1.58 waves
     s = _triton.split_k(programs, k_tiles, slots)
     assert s > 1 and wave_efficiency(programs * s, -(-k_tiles // s), slots) >= 0.9
     assert wave_efficiency(programs, k_tiles, slots) < 0.8  # without split-K
-    assert _triton.split_k(256, k_tiles, slots) == 1  # N=4096 balanced chunk: 256 programs, one full wave
+    assert _triton.split_k(256, k_tiles, slots) == 1  # 256 programs: one nearly full wave
 
 
 def test_l2_groups_fit_half_the_cache():
