@@ -173,8 +173,9 @@ def triton_path(n: int, h: int, dev: Device, a: Assumptions, ctas: dict[str, int
         splits = min(n_tiles, max(1, cdiv(2 * dev.sms, row_blocks)))
         per = cdiv(n_tiles, splits)
         splits = cdiv(n_tiles, per)
-        # pid_m fast: all row blocks of a split are resident together and re-read their hidden rows every tile
-        hidden_traffic = h_bytes if fits(h_bytes, dev) else h_bytes * per
+        # pid_m fast: all row blocks of a split are resident together and re-read their hidden rows every tile,
+        # from HBM when they do not fit: once per vocabulary tile over all splits
+        hidden_traffic = h_bytes if fits(h_bytes, dev) else h_bytes * per * splits
         weight_traffic = w_bytes * cdiv(row_blocks, slots)
     else:
         splits, per = _triton.fwd_splits(n, V, bm, bv, slots)
@@ -311,13 +312,26 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def kernel_table(rows: list[dict], device: str) -> str:
-    lines = ["| N | H | path | kernel | ms |", "|---|---|---|---|---|"]
+    """Per-kernel milliseconds (summed over chunks) of the Triton path before / after issue 15 and the cublas path."""
+    tri = ("_fwd_kernel", "_dlogits_kernel", "_dhidden_kernel", "_dweight_kernel")
+    lines = [f"{device}, per kernel (ms, summed over chunks)",
+             "| N | H | path | " + " | ".join(tri) + " | other | total |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r["device"] != device or r["path"] == "liger-flce":
+        if r["device"] != device or r["path"] not in ("triton", "triton-before"):
             continue
-        for k, ms in r["kernels"].items():
-            if ms >= 0.05:
-                lines.append(f"| {r['n']} | {r['h']} | {r['path']} | {k} | {ms:.2f} |")
+        k = r["kernels"]
+        lines.append(f"| {r['n']} | {r['h']} | {r['path']} | " + " | ".join(f"{k[x]:.2f}" for x in tri)
+                     + f" | {sum(v for x, v in k.items() if x not in tri):.2f} | {r['ms']:.2f} |")
+    lines += ["", "| N | H | path | products 1+2+3 | _rowstats_kernel | _softmax_grad_kernel | other | total |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["device"] != device or r["path"] != "cublas":
+            continue
+        k = r["kernels"]
+        prod = sum(v for x, v in k.items() if x.startswith("product"))
+        rk = k["_rowstats_kernel"], k["_softmax_grad_kernel"]
+        lines.append(f"| {r['n']} | {r['h']} | cublas | {prod:.2f} | {rk[0]:.2f} | {rk[1]:.2f} "
+                     f"| {r['ms'] - prod - sum(rk):.2f} | {r['ms']:.2f} |")
     return "\n".join(lines)
 
 
