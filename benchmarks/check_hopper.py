@@ -9,7 +9,7 @@ cuobjdump shipped in triton/backends/nvidia/bin.
     python benchmarks/check_hopper.py --bf16-only --json /tmp/hopper.json    # for benchmarks/roofline.py
 
 Exit status 1 when a kernel spills, a ``tl.dot`` is not lowered to wgmma (no HGMMA, or pre-Hopper HMMA), or the
-target check lost its device assert. CTAs/SM is ``_triton.programs_per_sm`` of the registers and shared memory:
+target check lost its device assert. CTAs/SM is ``_schedule.programs_per_sm`` of the registers and shared memory:
 what the launchers use, at run time, to size their grids.
 
 Integer arguments that are multiples of 16 in real use (strides, H, V) and all pointers are declared 16-aligned,
@@ -59,9 +59,9 @@ class Report:
     @property
     def programs_per_sm(self) -> int:
         """CTAs of this kernel one SM holds (registers, shared memory, threads), as the launcher computes it."""
-        from fastgrpo.kernels import _triton
+        from fastgrpo.kernels import _schedule
 
-        return _triton.programs_per_sm(self.regs, self.smem_bytes, self.num_warps)
+        return _schedule.programs_per_sm(self.regs, self.smem_bytes, self.num_warps)
 
 
 def cuobjdump_path() -> str | None:
@@ -184,7 +184,9 @@ def main(argv=None) -> int:
         print(f"| {r.kernel} | {r.variant} | {r.num_warps} | {r.regs} | {r.local_bytes} / {r.spill_instrs} "
               f"| {r.smem_bytes / 1024:.1f} | {r.programs_per_sm} | {r.hgmma} | {r.hmma} |")
     problems = problems_of(reports)
-    print(f"\n{len(reports)} kernels compiled for sm_90; {len(problems)} problems" + "".join(f"\n  {p}" for p in problems))
+    print(f"\n{len(reports)} kernels compiled for sm_90; {len(problems)} problems")
+    for p in problems:
+        print(f"  {p}")
     if args.json is not None:
         args.json.write_text(json.dumps({"triton": triton.__version__, "reports": [asdict(r) for r in reports]},
                                         indent=1))

@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:
 from benchmarks import check_hopper  # noqa: E402
 
 _triton = check_hopper._load_triton_backend()
-from fastgrpo.kernels import _gradfwd  # noqa: E402
+from fastgrpo.kernels import _gradfwd, _schedule  # noqa: E402
 
 V = 151936
 SHAPES = [(n, h) for h in (2048, 3584) for n in (4096, 16384)]
@@ -178,8 +178,8 @@ def triton_path(n: int, h: int, dev: Device, a: Assumptions, ctas: dict[str, int
         hidden_traffic = h_bytes if fits(h_bytes, dev) else h_bytes * per * splits
         weight_traffic = w_bytes * cdiv(row_blocks, slots)
     else:
-        splits, per = _triton.fwd_splits(n, V, bm, bv, slots)
-        group = _triton.l2_group(bm * h * ELT, row_blocks, dev.l2)
+        splits, per = _schedule.fwd_splits(n, V, bm, bv, slots)
+        group = _schedule.l2_group(bm * h * ELT, row_blocks, dev.l2)
         hidden_traffic = h_bytes
         weight_traffic = w_bytes * cdiv(row_blocks, group)
     programs = row_blocks * splits
@@ -191,9 +191,9 @@ def triton_path(n: int, h: int, dev: Device, a: Assumptions, ctas: dict[str, int
 
     # backward chunks
     if before:
-        chunk = max(bm, min(_triton._DX_BUDGET_BYTES // (V * ELT), cdiv(n, bm) * bm) // bm * bm)
+        chunk = max(bm, min(_schedule._DX_BUDGET_BYTES // (V * ELT), cdiv(n, bm) * bm) // bm * bm)
     else:
-        chunk = _triton.backward_chunk(n, V, h, ELT, bm, None)
+        chunk = _schedule.backward_chunk(n, V, h, ELT, bm, None)
     n_chunks = cdiv(n, chunk)
     num_h = cdiv(h, bh)
     if before:
@@ -203,7 +203,7 @@ def triton_path(n: int, h: int, dev: Device, a: Assumptions, ctas: dict[str, int
         num_m = cdiv(c, bm)
         # _dlogits_kernel: one tile per program; hidden row blocks re-read for every vocabulary tile
         slots = dev.sms * ctas["_dlogits_kernel"]
-        group = num_m if before else _triton.l2_group(bm * h * ELT, num_m, dev.l2)
+        group = num_m if before else _schedule.l2_group(bm * h * ELT, num_m, dev.l2)
         chunk_hidden = ELT * c * h
         hidden_traffic = chunk_hidden if fits(chunk_hidden if before else group * bm * h * ELT, dev) \
             else chunk_hidden * n_tiles
@@ -220,7 +220,7 @@ def triton_path(n: int, h: int, dev: Device, a: Assumptions, ctas: dict[str, int
         else:
             key = "_dhidden_kernel split-K"
             slots1 = dev.sms * ctas["_dhidden_kernel"]
-            n_split = _triton.split_k(num_m * num_h, k_tiles, slots1)
+            n_split = _schedule.split_k(num_m * num_h, k_tiles, slots1)
             slots = dev.sms * ctas[key if n_split > 1 else "_dhidden_kernel"]
         programs = num_m * num_h * n_split
         part = 2 * 4 * n_split * c * h if n_split > 1 else 0  # float32 partials written, then summed
@@ -235,7 +235,7 @@ def triton_path(n: int, h: int, dev: Device, a: Assumptions, ctas: dict[str, int
             dx_traffic = ELT * c * V * num_h  # pid_v fast: every H tile streams all of dx again
             epilogue = 8 * V * h  # float32 read-modify-write
         else:
-            group_h = _triton.l2_group(chunk * bh * ELT, num_h, dev.l2)
+            group_h = _schedule.l2_group(chunk * bh * ELT, num_h, dev.l2)
             dx_traffic = ELT * c * V * cdiv(num_h, group_h)
             mode = 0 if i == 0 else (2 if i == n_chunks - 1 else 1)
             epilogue = {0: (ELT if n_chunks == 1 else 4), 1: 8, 2: 4 + ELT}[mode] * V * h

@@ -260,7 +260,8 @@ def _check_head_config(model: nn.Module) -> None:
                 f"compute log_softmax(hidden @ lm_head.weight.T / T) and would train on different log-probs")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if getattr(head, "bias", None) is not None:
-        raise NotImplementedError(f"model.name_or_path: {name}'s lm_head has a bias, which the fused kernels do not add")
+        raise NotImplementedError(f"model.name_or_path: {name}'s lm_head has a bias, which the fused kernels do "
+                                  "not add")
 
 
 def get_trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:

@@ -9,8 +9,8 @@ into an online log-sum-exp ``(m, s)``, ``a = sum exp(z - m) * z`` (for the entro
 partials per row are merged in torch (``[S, N]`` vectors). Splitting the vocabulary keeps every SM busy when N is
 small (N=1 still gets many programs).
 
-Backward, in balanced row chunks of C rows (C * V elements of ``dx``, at most ``_DX_BUDGET_BYTES``, or all rows
-when that needs no more memory than chunking; see ``backward_chunk``):
+Backward, in balanced row chunks of C rows (C * V elements of ``dx``, at most ``_schedule._DX_BUDGET_BYTES``, or
+all rows when that needs no more memory than chunking; see ``backward_chunk``):
   ``_dlogits_kernel``  recomputes the logits tile and writes
                        ``dx = (g_logp * (onehot - p) - g_ent * p * (z - sum_pz)) / T`` into a ``[C, V]``
                        buffer (in the inputs' dtype, as cuBLAS-based chunked losses do);
@@ -19,7 +19,7 @@ when that needs no more memory than chunking; see ``backward_chunk``):
                        writes, later ones add to a float32 ``[V, H]`` sum, the last writes the weight's dtype; one
                        chunk writes the gradient directly. No atomics: each program owns its tile)
 
-Schedule (host side, see the "schedule" section below; benchmarks/roofline.py models it for an H100 / H200):
+Schedule (host side, ``_schedule.py``; benchmarks/roofline.py models it for an H100 / H200):
   * launch order: 1-D grids walked in groups (``_tile_ids``), so the programs resident at one time share their
     operands in L2: in forward and ``_dlogits_kernel`` a group's hidden row blocks (re-read for every vocabulary
     tile) fit half the L2; in ``_dweight_kernel`` H tiles are the fast axis, so each ``dx`` column tile is read
@@ -47,12 +47,20 @@ In the Triton CPU interpreter (``TRITON_INTERPRET=1``) ``tl.dot`` on bf16 operan
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ._schedule import (
+    backward_chunk,
+    fwd_splits,
+    l2_group,
+    l2_bytes,
+    resident_programs,
+    split_k,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -61,8 +69,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 GPU_BLOCKS = dict(BLOCK_M=128, BLOCK_V=128, BLOCK_H=128, BLOCK_K=64, num_warps=8, num_stages=3)
 GPU_BLOCKS_FP32 = dict(BLOCK_M=64, BLOCK_V=64, BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2)
 INTERPRET_BLOCKS = dict(BLOCK_M=16, BLOCK_V=32, BLOCK_H=32, BLOCK_K=16, num_warps=4, num_stages=1)
-
-_DX_BUDGET_BYTES = 1 << 30
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -325,105 +331,6 @@ def _launch_kw(cfg: dict, *names: str) -> dict:
     return kw
 
 
-# ------------------------------------------------------------------------------------ schedule (host side)
-# Grids are sized from what the hardware holds at once, so that the last wave is not mostly idle:
-#   slots   = SMs x programs per SM (from the compiled kernel's registers, shared memory and warps);
-#   waves   = ceil(programs / slots); a kernel's time ~ waves x the work of one program.
-# benchmarks/roofline.py models the same schedule with the sm_90 compile's figures, without a GPU.
-
-_CPU_SLOTS = 16  # the interpreter: as if on a small GPU, so the tests' tiny shapes still split the vocabulary
-_L2_BYTES_DEFAULT = 50 << 20  # H100 / H200
-_MAX_SPLIT_K = 8
-
-
-def programs_per_sm(regs: int, smem_bytes: int, num_warps: int, *, regs_per_sm: int = 65536,
-                    smem_per_sm: int = 233472, threads_per_sm: int = 2048, max_blocks: int = 32) -> int:
-    """Programs (CTAs) of one kernel resident on one SM (sm_90 defaults): registers are allocated per warp in
-    units of 256, each CTA reserves 1 KiB of shared memory beyond what it asks for."""
-    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
-    by_regs = (regs_per_sm // regs_per_warp) // num_warps
-    by_smem = smem_per_sm // (smem_bytes + 1024)
-    by_threads = threads_per_sm // (32 * num_warps)
-    return max(1, min(by_regs, by_smem, by_threads, max_blocks))
-
-
-_SLOTS: dict = {}
-
-
-def _resident_programs(kernel, args, kw, device) -> int:
-    """Programs of ``kernel`` (compiled for ``args``/``kw``) that the whole device holds at once. On CUDA this
-    compiles the kernel ahead of its launch (``warmup``, cached by Triton) and reads its register count; the
-    answer is cached per kernel variant, so the schedule of a call never depends on what ran before it."""
-    if device.type != "cuda":
-        return _CPU_SLOTS
-    key = (kernel.__name__, device.index, str(args[0].dtype), tuple(sorted(kw.items())))
-    if key not in _SLOTS:
-        props = torch.cuda.get_device_properties(device)
-        try:
-            compiled = kernel.warmup(*args, grid=(1,), **kw)
-            compiled._init_handles()  # loads the binary: fills n_regs
-            per_sm = programs_per_sm(
-                compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps,
-                regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536),
-                smem_per_sm=getattr(props, "shared_memory_per_multiprocessor", 233472),
-                threads_per_sm=getattr(props, "max_threads_per_multi_processor", 2048))
-        except Exception:  # pragma: no cover - a Triton whose CompiledKernel differs: assume one program per SM
-            per_sm = 1
-        _SLOTS[key] = per_sm * props.multi_processor_count
-    return _SLOTS[key]
-
-
-def _l2_bytes(device) -> int:
-    if device.type == "cuda":
-        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or _L2_BYTES_DEFAULT
-    return _L2_BYTES_DEFAULT
-
-
-def l2_group(reused_bytes_per_tile: int, n_tiles: int, l2_bytes: int) -> int:
-    """Tiles of the reused axis in one launch group (``_tile_ids``): as many as half the L2 holds."""
-    return max(1, min(n_tiles, (l2_bytes // 2) // max(1, reused_bytes_per_tile)))
-
-
-@functools.lru_cache(maxsize=1024)
-def fwd_splits(n: int, vocab: int, block_m: int, block_v: int, slots: int) -> tuple[int, int]:
-    """``(splits, tiles_per_split)`` of the forward's vocabulary: the fewest splits whose waves x tiles per
-    program is within 2% of the best (more splits mean shorter programs, hence a less idle last wave)."""
-    n_tiles = triton.cdiv(vocab, block_v)
-    row_blocks = triton.cdiv(n, block_m)
-    options = []
-    for s in range(1, min(n_tiles, 2 * slots) + 1):
-        per = triton.cdiv(n_tiles, s)
-        s_eff = triton.cdiv(n_tiles, per)  # every split starts on a valid tile
-        options.append((triton.cdiv(row_blocks * s_eff, slots) * per, s_eff, per))
-    best = min(t for t, _, _ in options)
-    _, splits, per = next(o for o in options if o[0] <= 1.02 * best)
-    return splits, per
-
-
-def split_k(programs: int, k_tiles: int, slots: int) -> int:
-    """K splits for a grid of ``programs`` equal programs: the fewest that bring waves x K tiles per program
-    within 3% of the best over 1..``_MAX_SPLIT_K`` (each split adds a float32 partial to write and sum)."""
-    options = [(triton.cdiv(programs * s, slots) * triton.cdiv(k_tiles, s), s)
-               for s in range(1, min(_MAX_SPLIT_K, k_tiles) + 1)]
-    best = min(t for t, _ in options)
-    return next(s for t, s in options if t <= 1.03 * best)
-
-
-def backward_chunk(n: int, vocab: int, h_dim: int, elt: int, block_m: int, chunk_size: int | None) -> int:
-    """Rows per backward chunk, a multiple of BLOCK_M. Without ``chunk_size``: the whole batch when its ``dx``
-    takes no more memory than chunking would (several chunks also need the float32 ``[V, H]`` sum of
-    ``grad_weight``), else balanced chunks within ``_DX_BUDGET_BYTES`` (N=16384: five of 3328 rows, not four of
-    3456 and a tail of 2560)."""
-    whole = triton.cdiv(n, block_m) * block_m
-    if chunk_size is None:
-        if whole * vocab * elt <= _DX_BUDGET_BYTES + 4 * vocab * h_dim:
-            return whole
-        chunk_size = _DX_BUDGET_BYTES // (vocab * elt)
-    cap = max(block_m, min(chunk_size, whole) // block_m * block_m)
-    n_chunks = triton.cdiv(n, cap)
-    return min(cap, triton.cdiv(triton.cdiv(n, n_chunks), block_m) * block_m)
-
-
 def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_size, blocks=None):
     """Returns ``(logp, entropy, lse, sum_pz)``, each ``[N]`` float32; rows outside ``active`` are 0.
 
@@ -456,10 +363,10 @@ def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_si
         per = triton.cdiv(n_tiles, splits)
         splits = triton.cdiv(n_tiles, per)
     else:
-        slots = _resident_programs(_fwd_kernel, args(2, 2, 2), kw, dev)
+        slots = resident_programs(_fwd_kernel, args(2, 2, 2), kw, dev)
         splits, per = fwd_splits(n, vocab, cfg["BLOCK_M"], cfg["BLOCK_V"], slots)
     # Hidden row blocks are re-read for every vocabulary tile: a group's blocks must stay in L2.
-    group = cfg.get("GROUP") or l2_group(cfg["BLOCK_M"] * h_dim * hidden.element_size(), row_blocks, _l2_bytes(dev))
+    group = cfg.get("GROUP") or l2_group(cfg["BLOCK_M"] * h_dim * hidden.element_size(), row_blocks, l2_bytes(dev))
 
     m_part = torch.zeros((splits, n), **f32)  # [S, N]
     s_part = torch.ones((splits, n), **f32)  # rows never written stay finite
@@ -502,7 +409,7 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
     chunk = backward_chunk(n, vocab, h_dim, elt, bm, chunk_size)
     n_chunks = triton.cdiv(n, chunk)
     num_m, num_v, num_h = chunk // bm, triton.cdiv(vocab, bv), triton.cdiv(h_dim, bh)
-    l2 = _l2_bytes(dev)
+    l2 = l2_bytes(dev)
     dx = torch.empty((chunk, vocab), dtype=hidden.dtype, device=dev)  # [C, V]
     # grad_weight: written directly in its dtype when there is one chunk; else summed in a float32 buffer that
     # the last chunk reads and converts (see _dweight_kernel's modes).
@@ -523,7 +430,7 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
     if "SPLIT_K" in cfg:
         n_split = cfg["SPLIT_K"]
     else:  # the tail: programs = row blocks x H tiles is often just over a multiple of the resident count
-        slots = _resident_programs(_dhidden_kernel, dh_args(0, 2, 1, dx), dict(dh_kw, SPLIT_K=False), dev)
+        slots = resident_programs(_dhidden_kernel, dh_args(0, 2, 1, dx), dict(dh_kw, SPLIT_K=False), dev)
         n_split = split_k(num_m * num_h, k_tiles, slots)
     k_len = triton.cdiv(k_tiles, n_split) * cfg["BLOCK_K"]
     n_split = triton.cdiv(vocab, k_len)

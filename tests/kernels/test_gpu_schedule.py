@@ -58,14 +58,14 @@ print("NO ERROR")
 
 
 def test_launcher_reads_occupancy_from_the_compiled_kernel():
-    from fastgrpo.kernels import _triton
+    from fastgrpo.kernels import _schedule, _triton
 
     inp = make_inputs(Shape(n=256, h=256, v=4096), dtype=torch.bfloat16, device="cuda", seed=1)
     _triton.forward(inp["hidden"].detach(), inp["weight"].detach(), inp["targets"], active=None, inv_temp=1.0,
                     with_entropy=False, chunk_size=None)
-    fwd = [v for k, v in _triton._SLOTS.items() if k[0] == "_fwd_kernel"]
+    fwd = [v for k, v in _schedule._SLOTS.items() if k[0] == "_fwd_kernel"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert fwd and all(v % sms == 0 and 1 <= v // sms <= 4 for v in fwd), (_triton._SLOTS, sms)
+    assert fwd and all(v % sms == 0 and 1 <= v // sms <= 4 for v in fwd), (_schedule._SLOTS, sms)
 
 
 @pytest.mark.parametrize("backend", ["triton", "cublas"])
