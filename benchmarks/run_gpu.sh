@@ -50,6 +50,10 @@ step 60 python3 benchmarks/kernel_accuracy.py --n 4096 --h 1024 --v 32000 --chun
 # 2. Kernels: ours (cublas path) and ours_recompute (Triton) vs naive torch (TRL) vs Liger (if installed) vs the
 #    3-matmul floor (~4 min; shapes not started within the budget are listed as skipped, never guessed)
 step 250 python3 benchmarks/bench_kernels.py --reps 3 --warmup 1 --budget-s 200 --out "$OUT_DIR/bench_kernels.csv"
+# 2b. The roofline model (benchmarks/roofline.py, a prediction made without a GPU) next to that measurement, shape
+#     by shape: the first GPU run tests the model (seconds; occupancy from the recorded sm_90 compile)
+step 30 python3 benchmarks/roofline.py --hopper-json benchmarks/hopper_sm90.json \
+  --measured "$OUT_DIR/bench_kernels.csv" --out "$OUT_DIR/roofline_vs_measured.md"
 # 3. Learner: packed vs padded policy update, tokens/s and MFU on Qwen2.5-0.5B/1.5B shapes (~2.5 min)
 step 160 python3 benchmarks/bench_learner.py --out "$OUT_DIR/bench_learner"
 # 4. Rollout: transformers engine (vLLM only where installed) (~1 min)

@@ -32,6 +32,7 @@ from fastgrpo.packing import MicroBatch
 __all__ = [
     "ATTN_BACKENDS",
     "AttnBackend",
+    "check_plain_head",
     "choose_attn_implementation",
     "count_params",
     "decoding_attn_implementation",
@@ -239,29 +240,73 @@ def load_model(cfg: ModelConfig, *, device: torch.device | str, dtype: str | tor
     return model.to(device)
 
 
+# Config fields with which transformers models post-process logits after lm_head, and the value that means "off".
+_LOGIT_POSTPROCESSING = {
+    "final_logit_softcapping": None,  # Gemma-2 / Gemma-3: cap * tanh(logits / cap) whenever set (1.0 squashes too)
+    "logit_scale": 1.0,  # Cohere: logits * scale
+    "logits_scaling": 1.0,  # Granite: logits / scaling
+}
+
+
+def _check_head_config(model: nn.Module) -> None:
+    """Reject, by name, what makes ``model(ids).logits`` differ from ``hidden @ lm_head.weight.T``."""
+    cfg = getattr(model, "config", None)
+    name = type(model).__name__
+    for attr, off in _LOGIT_POSTPROCESSING.items():
+        value = getattr(cfg, attr, off)
+        if value != off:
+            raise NotImplementedError(
+                f"model.name_or_path: {name} post-processes its logits ({attr}={value}); the fused lm_head kernels "
+                f"compute log_softmax(hidden @ lm_head.weight.T / T) and would train on different log-probs")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError(f"model.name_or_path: {name}'s lm_head has a bias, which the fused kernels do "
+                                  "not add")
+
+
 def get_trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """Split a ``*ForCausalLM`` into (trunk, head): ``head(trunk(ids).last_hidden_state) == model(ids).logits``.
 
     trunk: the decoder (embeddings, blocks, final norm) returning hidden states [.., H];
     head: the output projection with ``weight`` [V, H] (tied to the embedding for Qwen2.5-0.5B..3B).
-    Models that post-process logits (softcapping, a logit scale) cannot be split this way: the fused
-    log-prob kernel sees only ``hidden @ weight.T``, so they are rejected rather than silently wrong.
+    Models that post-process logits (softcapping, a logit scale, an lm_head bias) cannot be split this way: the
+    fused log-prob kernel sees only ``hidden @ weight.T``, so they are rejected rather than silently wrong. (The
+    trainer also runs :func:`check_plain_head` once at load, before any rollout.)
     """
-    cfg = getattr(model, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale"):
-        value = getattr(cfg, attr, None)
-        if value not in (None, 1.0):
-            raise NotImplementedError(f"{type(model).__name__} post-processes its logits ({attr}={value}); "
-                                      f"the trunk/head split would compute different log-probs")
+    _check_head_config(model)
     trunk = model.get_decoder() if hasattr(model, "get_decoder") else None
     if trunk is None or trunk is model:
         trunk = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(trunk, nn.Module) or head is None or getattr(head, "weight", None) is None:
         raise ValueError(f"{type(model).__name__} is not a *ForCausalLM with a decoder and an lm_head")
-    if getattr(head, "bias", None) is not None:
-        raise NotImplementedError(f"{type(model).__name__}'s lm_head has a bias, which the kernels do not add")
     return trunk, head
+
+
+@torch.no_grad()
+def check_plain_head(model: nn.Module, *, probe_tokens: int = 8) -> None:
+    """Raise unless the model's logits are ``hidden @ lm_head.weight.T``, the only thing the fused kernels compute.
+
+    The trainer calls this once, right after loading the policy. The config fields and bias that
+    :func:`get_trunk_and_head` rejects by name are checked first. Then one forward on ``probe_tokens`` tokens
+    catches post-processing that the list does not name: ``model(ids).logits`` must equal ``lm_head`` applied to
+    the decoder's last hidden state. Without this check such a model trains on wrong log-probs with no error.
+    """
+    trunk, head = get_trunk_and_head(model)
+    vocab = head.weight.shape[0]
+    ids = (torch.arange(probe_tokens, device=head.weight.device) % vocab)[None]  # [1, T]
+    was_training = model.training
+    model.eval()  # dropout would make the two forwards differ
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits.float()  # [1, T, V]
+        plain = head(trunk(input_ids=ids, use_cache=False).last_hidden_state).float()
+    finally:
+        model.train(was_training)
+    gap = (logits - plain).abs().max().item()
+    if gap > 1e-3 * max(1.0, plain.abs().max().item()):
+        raise NotImplementedError(
+            f"model.name_or_path: {type(model).__name__}'s logits are not lm_head(decoder(ids)) (they differ by up to "
+            f"{gap:.3g}): it post-processes them, and the fused lm_head kernels would train on different log-probs")
 
 
 def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:

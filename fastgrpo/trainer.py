@@ -26,7 +26,7 @@ from fastgrpo.episodes import Episodes, collect_episodes, record_metrics
 from fastgrpo.evaluate import evaluate
 from fastgrpo.guard import NonFiniteGuard
 from fastgrpo.metrics import RunLog, StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
-from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
+from fastgrpo.model import check_plain_head, load_model, load_tokenizer, resolve_model_path
 from fastgrpo.parallelize import parallelize_model, uses_fsdp
 from fastgrpo.rewards import RewardRunner, check_reward_columns
 from fastgrpo.rollout import EngineSetup, RolloutEngine, SamplingParams, build_engine
@@ -91,6 +91,7 @@ class Trainer:
                 uses_fsdp(cfg.parallel, self.device, self.world_size):
             master_dtype = torch.float32
         model = load_model(cfg.model, device=self.device, dtype=master_dtype, seed=cfg.seed)
+        check_plain_head(model)  # logits must be hidden @ lm_head.weight.T, checked before any rollout
         self.model = parallelize_model(model, cfg.parallel, device=self.device, world_size=self.world_size)
         self.ref_model = None
         if cfg.grpo.beta > 0:  # the frozen reference, sharded the same way, forward only

@@ -40,6 +40,8 @@ when a large share of the rows has weight 0 (e.g. prompt positions passed with w
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -80,7 +82,10 @@ def _rowstats_kernel(x_ptr, tgt_ptr, n_active_ptr, lse_ptr, logp_ptr, ent_ptr, r
         m = m_new
     lse = m + tl.log(s)
     tgt = tl.load(tgt_ptr + row).to(tl.int64)
-    zt = tl.load(base + tgt).to(tl.float32) * inv_temp
+    # check_targets rejects ids outside [0, V) before this runs; the mask keeps a bad id from reading another
+    # row's logit (or before the buffer) even so: its log-prob is NaN.
+    ok = (tgt >= 0) & (tgt < V)
+    zt = tl.load(base + tl.where(ok, tgt, 0), mask=ok, other=float("nan")).to(tl.float32) * inv_temp
     tl.store(lse_ptr + row, lse)
     tl.store(logp_ptr + row, zt - lse)
     tl.store(ent_ptr + row, lse - a / s)
@@ -159,6 +164,30 @@ def grpo_logp_grad(logp, advantages, token_weights, *, old_logprobs, ref_logprob
 # ------------------------------------------------------------------------------------------------ products
 
 
+@contextlib.contextmanager
+def full_precision_reductions():
+    """cuBLAS reductions in float32 inside the block, torch's settings restored after (even on error).
+
+    ``torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_reduction`` is on by default: cuBLAS may then
+    sum split-K partial products in the 16-bit type. Product 2 has K = V (151936 for Qwen2.5), the case where
+    split-K is likely and 16-bit partial sums lose most; no CPU test can see that, so the flags are cleared
+    around all three products instead of trusting the defaults. The flags are process-wide (another thread's
+    products inside the block also reduce in float32); reading and setting them costs no device work.
+    """
+    matmul = torch.backends.cuda.matmul
+    saved = {}
+    for name in ("bf16", "fp16"):
+        getter = getattr(torch._C, f"_get_cublas_allow_{name}_reduced_precision_reduction", None)
+        if getter is not None:
+            saved[name] = getter()  # a bool, or (allow_reduced_precision, allow_splitk) in newer torch
+            setattr(matmul, f"allow_{name}_reduced_precision_reduction", False)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(matmul, f"allow_{name}_reduced_precision_reduction", value)
+
+
 def _accumulate_grad_weight(grad_weight, dx, h, *, first: bool) -> None:
     """``grad_weight (+)= dx.T @ h`` in the weight's dtype (``dx [c, V]``, ``h [c, H]``): cuBLAS sums each chunk's
     product in float32 and adds it to the running sum, rounding once per chunk (see the module docstring for why
@@ -202,33 +231,33 @@ def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprob
     buf = torch.empty((chunk, vocab), dtype=hidden.dtype, device=dev)  # [C, V]
     need_grad = need_grad_hidden or need_grad_weight
     block_v = _ROW_BLOCK_V
-
-    for start in range(0, n, chunk):
-        idx = order[start:start + chunk]  # [c] rows of this chunk
-        c = idx.numel()
-        h = hidden.index_select(0, idx)  # [c, H]
-        tgt = targets.index_select(0, idx)
-        x = buf[:c]
-        torch.mm(h, weight.T, out=x)  # product 1: logits [c, V]
-        lse_c, logp_c, ent_c = (torch.empty(c, **f32) for _ in range(3))
-        _rowstats_kernel[(c,)](x, tgt, n_active, lse_c, logp_c, ent_c, start, vocab, x.stride(0), inv_temp,
-                               BLOCK_V=block_v, num_warps=_ROW_WARPS)
-        logp.index_copy_(0, idx, logp_c)
-        entropy.index_copy_(0, idx, ent_c)
-        if not need_grad:
-            continue
-        g_c = grpo_logp_grad(
-            logp_c, advantages.index_select(0, idx), token_weights.index_select(0, idx),
-            old_logprobs=None if old_logprobs is None else old_logprobs.index_select(0, idx),
-            ref_logprobs=None if ref_logprobs is None else ref_logprobs.index_select(0, idx),
-            epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
-        ).contiguous()
-        _softmax_grad_kernel[(c, triton.cdiv(vocab, block_v))](x, tgt, lse_c, g_c, vocab, x.stride(0), inv_temp,
-                                                                BLOCK_V=block_v, num_warps=_ROW_WARPS)
-        if need_grad_hidden:
-            grad_hidden.index_copy_(0, idx, x @ weight)  # product 2
-        if need_grad_weight:
-            _accumulate_grad_weight(grad_weight, x, h, first=start == 0)  # product 3
+    with full_precision_reductions():  # products 2 and 3 sum over V and over the chunk's rows in float32
+        for start in range(0, n, chunk):
+            idx = order[start:start + chunk]  # [c] rows of this chunk
+            c = idx.numel()
+            h = hidden.index_select(0, idx)  # [c, H]
+            tgt = targets.index_select(0, idx)
+            x = buf[:c]
+            torch.mm(h, weight.T, out=x)  # product 1: logits [c, V]
+            lse_c, logp_c, ent_c = (torch.empty(c, **f32) for _ in range(3))
+            _rowstats_kernel[(c,)](x, tgt, n_active, lse_c, logp_c, ent_c, start, vocab, x.stride(0), inv_temp,
+                                   BLOCK_V=block_v, num_warps=_ROW_WARPS)
+            logp.index_copy_(0, idx, logp_c)
+            entropy.index_copy_(0, idx, ent_c)
+            if not need_grad:
+                continue
+            g_c = grpo_logp_grad(
+                logp_c, advantages.index_select(0, idx), token_weights.index_select(0, idx),
+                old_logprobs=None if old_logprobs is None else old_logprobs.index_select(0, idx),
+                ref_logprobs=None if ref_logprobs is None else ref_logprobs.index_select(0, idx),
+                epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
+            ).contiguous()
+            _softmax_grad_kernel[(c, triton.cdiv(vocab, block_v))](x, tgt, lse_c, g_c, vocab, x.stride(0), inv_temp,
+                                                                    BLOCK_V=block_v, num_warps=_ROW_WARPS)
+            if need_grad_hidden:
+                grad_hidden.index_copy_(0, idx, x @ weight)  # product 2
+            if need_grad_weight:
+                _accumulate_grad_weight(grad_weight, x, h, first=start == 0)  # product 3
     del buf
     return logp, entropy, grad_hidden, grad_weight
 

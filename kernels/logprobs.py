@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ._targets import check_targets
 from .backends import cublas_module, recompute_module, resolve_backend
 
 __all__ = ["linear_logprobs"]
@@ -30,6 +31,7 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
         raise ValueError(f"hidden and weight dtypes differ: {hidden.dtype} vs {weight.dtype}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_targets(targets, weight.shape[0])  # every backend: ids outside [0, V) (see _targets.py)
 
 
 class FusedLinearLogprobs(torch.autograd.Function):

@@ -195,3 +195,104 @@ def test_trainer_update_on_the_cublas_path_equals_the_torch_path(tmp_path, monke
     assert grads["torch"].keys() == grads["cublas"].keys() and grads["torch"]
     for name, g in grads["torch"].items():
         torch.testing.assert_close(grads["cublas"][name], g, rtol=1e-4, atol=1e-7, msg=name)
+
+
+# ------------------------------------------------- every path: bad targets, empty batches (issue 15, items 4, 6)
+PATHS = ("torch", "triton", "cublas")
+
+
+@pytest.mark.parametrize("backend", PATHS)
+@pytest.mark.parametrize("bad", [-100, SHAPE.v], ids=["ignore-index", "V"])
+def test_targets_outside_vocabulary_give_one_clear_error_on_every_path(backend, bad):
+    from fastgrpo.kernels import linear_logprobs
+
+    inp = make_inputs(SHAPE, dtype=torch.float32, seed=13, zero_weight_frac=0.3)
+    targets = inp["targets"].clone()
+    targets[5] = bad
+    args = (inp["hidden"], inp["weight"], targets, inp["advantages"], inp["token_weights"])
+    with pytest.raises(ValueError, match=rf"targets must lie in \[0, V\) = \[0, {SHAPE.v}\): targets\[5\] = {bad}"):
+        linear_grpo_loss(*args, backend=backend, chunk_size=16)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"targets must lie in \[0, V\)"):
+        linear_logprobs(inp["hidden"], inp["weight"], targets, backend=backend)
+
+
+@pytest.mark.parametrize("backend", PATHS)
+def test_empty_batch_gives_empty_results_on_every_path(backend):
+    from fastgrpo.kernels import linear_logprobs
+
+    hidden = torch.randn(0, 24, requires_grad=True)
+    weight = torch.randn(75, 24, requires_grad=True)
+    targets, empty = torch.zeros(0, dtype=torch.long), torch.zeros(0)
+    loss, stats = linear_grpo_loss(hidden, weight, targets, empty, empty, return_entropy=True, backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0 and stats["logprobs"].shape == (0,) and stats["entropy"].shape == (0,)
+    assert hidden.grad.shape == (0, 24) and weight.grad.shape == (75, 24) and not weight.grad.any()
+    with torch.no_grad():
+        logp, ent = linear_logprobs(hidden, weight, targets, backend=backend, return_entropy=True)
+    assert logp.shape == ent.shape == (0,) and logp.dtype == torch.float32
+    if backend != "cublas":  # differentiable log-probs
+        weight.grad = None
+        logp = linear_logprobs(hidden, weight, targets, backend=backend)
+        logp.sum().backward()
+        assert weight.grad.shape == (75, 24) and not weight.grad.any()
+
+
+# ------------------------------------------ the Triton schedule: launch groups, splits, split-K, dW chunk modes
+@pytest.mark.parametrize("pins", [dict(SPLITS=1, SPLIT_K=1, GROUP=1), dict(SPLITS=3, SPLIT_K=3, GROUP=2)],
+                         ids=["one-split-no-split-k", "three-splits-split-k-ragged-groups"])
+@pytest.mark.parametrize("chunk_size", [16, None], ids=["three-chunks", "one-chunk"])
+def test_triton_schedule_choices_give_the_same_result(pins, chunk_size):
+    # Every schedule choice is a launch-order / partial-sum change: results must match the float64 reference
+    # whatever it is. GROUP=2 over 3 row blocks leaves a ragged last group; three backward chunks run _dweight's
+    # three modes (first writes, middle accumulates in place, last converts), one chunk writes grad_weight directly.
+    from fastgrpo.kernels import _triton
+
+    inp = make_inputs(SHAPE, dtype=torch.float32, seed=15, zero_weight_frac=0.3)
+    hidden, weight, targets = inp["hidden"].detach(), inp["weight"].detach(), inp["targets"]
+    active = inp["token_weights"] != 0
+    cfg = dict(_triton.INTERPRET_BLOCKS, **pins)
+    logp, ent, lse, spz = _triton.forward(hidden, weight, targets, active=active, inv_temp=1 / 0.9,
+                                          with_entropy=True, chunk_size=None, blocks=cfg)
+    h64, w64 = (x.double().requires_grad_() for x in (hidden, weight))
+    ref_lp, ref_ent = reference_linear_logprobs(h64, w64, targets, temperature=0.9, return_entropy=True)
+    assert rel_err(logp[active], ref_lp[active]) < TOL and rel_err(ent[active], ref_ent[active]) < TOL
+    assert not logp[~active].any()
+    gen = torch.Generator().manual_seed(16)
+    g_lp, g_ent = torch.randn(SHAPE.n, generator=gen) * active, torch.randn(SHAPE.n, generator=gen) * active
+    gh, gw = _triton.backward(hidden, weight, targets, lse, spz, g_lp, g_ent, inv_temp=1 / 0.9,
+                              chunk_size=chunk_size, blocks=cfg)
+    ref_gh, ref_gw = torch.autograd.grad((ref_lp * g_lp.double() + ref_ent * g_ent.double()).sum(), (h64, w64))
+    assert rel_err(gh, ref_gh) < TOL and rel_err(gw, ref_gw) < TOL
+    assert not gh[~active].any() and gw.dtype == weight.dtype
+
+
+def test_cublas_products_reduce_in_float32_and_settings_are_restored():
+    # Issue 15, item 5: cuBLAS's reduced-precision (bf16 / fp16) split-K reductions are off during the loss
+    # path's products and back to what they were after, also after an error. On the CPU the products are
+    # torch.mm / addmm / matmul calls: record the flag at each one.
+    from torch.overrides import TorchFunctionMode
+
+    from fastgrpo.kernels import _gradfwd
+
+    matmul = torch.backends.cuda.matmul
+    products = {torch.mm, torch.matmul, torch.Tensor.addmm_, torch.Tensor.__matmul__, torch.Tensor.matmul}
+    seen = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in products:
+                seen.append((matmul.allow_bf16_reduced_precision_reduction,
+                             matmul.allow_fp16_reduced_precision_reduction))
+            return func(*args, **(kwargs or {}))
+
+    inp = make_inputs(SHAPE, dtype=torch.bfloat16, seed=17)
+    args = [inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")]
+    assert matmul.allow_bf16_reduced_precision_reduction  # torch's default
+    with Record():
+        loss, _ = linear_grpo_loss(*args, backend="cublas", chunk_size=16)
+    assert len(seen) >= 3 * 3 and not any(flag for pair in seen for flag in pair), seen  # 3 chunks x 3 products
+    assert matmul.allow_bf16_reduced_precision_reduction and matmul.allow_fp16_reduced_precision_reduction
+    with pytest.raises(RuntimeError, match="boom"), _gradfwd.full_precision_reductions():
+        assert not matmul.allow_bf16_reduced_precision_reduction
+        raise RuntimeError("boom")
+    assert matmul.allow_bf16_reduced_precision_reduction

@@ -1,7 +1,11 @@
-"""Ahead-of-time compile of the Triton kernels for sm_90 (no GPU needed): no register spills, and every
-``tl.dot`` lowered to Hopper warpgroup MMA. Skips cleanly when Triton's NVIDIA toolchain is unavailable."""
+"""Ahead-of-time compile of the Triton kernels for sm_90 (no GPU needed): no register spills, every ``tl.dot``
+lowered to Hopper warpgroup MMA, the target check's device assert compiled in, and the occupancy recorded for
+benchmarks/roofline.py equal to what the compile gives. Skips cleanly when Triton's NVIDIA toolchain is
+unavailable."""
 
 import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 
@@ -27,11 +31,20 @@ def test_hopper_kernels_do_not_spill(reports):
     assert not spilled, spilled
 
 
-DOT_KERNELS = {"_fwd_kernel", "_dlogits_kernel", "_dhidden_kernel", "_dweight_kernel"}
-ROW_KERNELS = {"_rowstats_kernel", "_softmax_grad_kernel", "_scale_kernel"}  # the "cublas" path's: no dot
+def test_hopper_dots_use_wgmma_and_the_target_check_asserts(reports):
+    from benchmarks.check_hopper import CHECK_KERNELS, DOT_KERNELS, ROW_KERNELS, problems_of
+
+    assert {r.kernel for r in reports} == set(DOT_KERNELS + ROW_KERNELS + CHECK_KERNELS)
+    assert all(r.hgmma > 0 and r.hmma == 0 for r in reports if r.kernel in DOT_KERNELS)
+    assert all(r.asserts > 0 for r in reports if r.kernel in CHECK_KERNELS)
+    assert problems_of(reports) == []
 
 
-def test_hopper_dots_use_wgmma(reports):
-    assert {r.kernel for r in reports} == DOT_KERNELS | ROW_KERNELS
-    dots = [r for r in reports if r.kernel in DOT_KERNELS]
-    assert all(r.hgmma > 0 for r in dots), [(r.kernel, r.hgmma) for r in dots]
+def test_roofline_occupancy_record_matches_the_compile(reports):
+    # benchmarks/hopper_sm90.json lets run_gpu.sh print the model without compiling; it must not drift from the
+    # kernels (regenerate: python benchmarks/check_hopper.py --bf16-only --json benchmarks/hopper_sm90.json).
+    from benchmarks import roofline
+    from benchmarks.check_hopper import asdict
+
+    recorded = json.loads((Path(roofline.__file__).parent / "hopper_sm90.json").read_text())
+    assert roofline.ctas_per_sm(recorded["reports"]) == roofline.ctas_per_sm([asdict(r) for r in reports])
