@@ -233,7 +233,7 @@ def run_side(side: str, spec: dict, timeout_s: float) -> dict:
         if time.perf_counter() - t0 > timeout_s:
             proc.kill()
             break
-        time.sleep(0.05)
+        time.sleep(0.1)
     try:
         proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
     except subprocess.TimeoutExpired:
@@ -449,10 +449,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{name}] repeat {rep} {side}: {run['wall_s']:.0f}s wall, "
                       + (", ".join(f"{k} {v:.3f}" for k, v in med.items()) or run["error"]), file=sys.stderr)
         summaries.append(summarize(name, spec, runs) | {"runs": runs})
-    if args.profile:
-        return 0
-    text = "\n".join(markdown(s) for s in summaries)
-    print(text)
+        write_results(args, argv, configs, summaries)  # after each work, so a cut-short run keeps what it did
+    if summaries:
+        print("\n".join(markdown(s) for s in summaries))
+    return 0
+
+
+def write_results(args, argv, configs: dict, summaries: list[dict]) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = "python benchmarks/bench_trl.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -460,8 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".json").write_text(json.dumps({"command": cmd, "date": time.strftime("%Y-%m-%d"),
                                                     "versions": info, "configs": configs, "works": summaries},
                                                    indent=1, default=str))
+    text = "\n".join(markdown(s) for s in summaries)
     out.with_suffix(".md").write_text(f"{time.strftime('%Y-%m-%d')}, {info}\n\n`{cmd}`\n\n{text}")
-    return 0
 
 
 if __name__ == "__main__":

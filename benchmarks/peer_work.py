@@ -47,7 +47,9 @@ class Work:
 
 
 WORKS = {
-    "tiny": Work(model="tiny", prompts_per_step=4, max_completion_length=128, steps=3),
+    # The first tiny run was 4 x 8 x 128 new tokens; half the prompts and tokens keep three alternated
+    # pairs inside a session on the shared 2-core CPU.
+    "tiny": Work(model="tiny", prompts_per_step=2, max_completion_length=64),
     "108m-shape": Work(model="108m", prompts_per_step=2, max_completion_length=32),
     # One prompt per step and one measured step: a 0.5B float32 step takes minutes on the 2-core CPU.
     "qwen0.5b-shape": Work(model="qwen2.5-0.5b", prompts_per_step=1, max_completion_length=32, steps=1),
