@@ -148,9 +148,12 @@ def _profile_last(fn, spec: dict, step_of):
     def write():
         prof = _PROFILE["prof"]
         if prof is not None:
+            prof.stop()
             key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
-            (Path(spec["run_dir"]) / "profile.txt").write_text(table)
+            shapes = prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=20,
+                                                                        max_name_column_width=50)
+            (Path(spec["run_dir"]) / "profile.txt").write_text(f"{table}\n\nby input shape:\n{shapes}")
 
     atexit.register(write)
 
@@ -159,7 +162,7 @@ def _profile_last(fn, spec: dict, step_of):
             return fn(self_or_first, *args, **kwargs)
         if _PROFILE["prof"] is None:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            _PROFILE["prof"] = profile(activities=acts)
+            _PROFILE["prof"] = profile(activities=acts, record_shapes=True)
             _PROFILE["prof"].start()
         else:
             _PROFILE["prof"].toggle_collection_dynamic(True, _PROFILE["prof"].activities)
@@ -446,8 +449,10 @@ def main(argv: list[str] | None = None) -> int:
                 run["repeat"] = rep
                 runs.append(run)
                 med = median_record(run["steps"], spec["warmup"]) if not run["error"] else {}
+                mem = run["cuda_peak_bytes"] if run["cuda_peak_bytes"] is not None else run["peak_rss_bytes"]
                 print(f"[{name}] repeat {rep} {side}: {run['wall_s']:.0f}s wall, "
-                      + (", ".join(f"{k} {v:.3f}" for k, v in med.items()) or run["error"]), file=sys.stderr)
+                      + (", ".join(f"{k} {v:.3f}" for k, v in med.items()) or run["error"])
+                      + (f", peak memory {mem / 1e9:.2f} GB" if mem else ""), file=sys.stderr)
         summaries.append(summarize(name, spec, runs) | {"runs": runs})
         write_results(args, argv, configs, summaries)  # after each work, so a cut-short run keeps what it did
     if summaries:

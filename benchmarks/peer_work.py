@@ -85,7 +85,7 @@ def fastgrpo_config(spec: dict) -> dict:
                   "attn_implementation": s["attn"]},
         "data": {"source": spec["prompts_file"], "template": s["template"], "system_prompt": s["system_prompt"],
                  "num_eval": 1},
-        "rewards": {"funcs": [*s["rewards"], f"{HERE}:spread_reward"]},
+        "rewards": {"funcs": [*s["rewards"], f"{HERE}:spread_reward"], **_in_process_rewards()},
         "rollout": rollout,
         "grpo": {"prompts_per_step": spec["prompts_per_step"], "num_generations": spec["generations"],
                  "loss_type": s["loss_type"], "scale_rewards": s["scale_rewards"], "beta": s["beta"],
@@ -96,6 +96,16 @@ def fastgrpo_config(spec: dict) -> dict:
         "eval": {"every": -1},
         "log": {"report_to": ["jsonl"], "progress": False, "completions_per_step": 0},
     }
+
+
+def _in_process_rewards() -> dict:
+    """TRL calls reward functions in its own process; fastgrpo versions with a reward sandbox run plugin files in
+    worker processes unless ``rewards.sandbox`` is false. Same work: in process on both sides."""
+    import dataclasses
+
+    from fastgrpo.config import RewardConfig
+
+    return {"sandbox": False} if "sandbox" in {f.name for f in dataclasses.fields(RewardConfig)} else {}
 
 
 def trl_config(spec: dict) -> dict:
