@@ -61,6 +61,9 @@ def run_fastgrpo_child(spec: dict) -> None:
     if spec.get("profile"):
         from fastgrpo.trainer import Trainer
 
+        if not hasattr(Trainer, "policy_update"):
+            raise RuntimeError("--profile: fastgrpo.trainer.Trainer has no policy_update any more; point the "
+                               "profile hook in benchmarks/bench_trl.py at the trainer's update phase")
         Trainer.policy_update = _profile_last(Trainer.policy_update, spec, lambda self: self.step)
     rc = train_main(["--config", str(cfg)])
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
