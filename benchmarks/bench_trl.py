@@ -1,0 +1,479 @@
+"""fastgrpo against TRL's GRPOTrainer: the same GRPO work, side by side, alternated and repeated.
+
+Both sides read the same model folder, the same prompt file (rendered once here), the same reward functions
+(``fastgrpo.rewards.REWARDS`` have TRL's signature) plus ``spread_reward``, and the same GRPO settings
+(``SHARED``: G, prompts per step, max completion length, temperature, beta, loss type, lr, AdamW, float32 on
+CPU, sdpa, transformers generation; colocated vLLM in both with ``--engine vllm``).
+
+Same work, checked: every prompt in the file has the same token length P, and the model folder is edited so
+that it never emits EOS (``suppress_eos``), so every completion is exactly L tokens on both sides. Each step's
+prompt and completion token counts are read back from both sides and compared; a mismatch is reported.
+``spread_reward`` (a deterministic function of the completion's token ids that varies within a group) makes
+every advantage non-zero, so neither side can skip backward work on a zero-advantage group.
+
+Timing, per optimizer step (one rollout batch of S = B * G completions):
+  fastgrpo  ``python -m fastgrpo.train``'s metrics.jsonl: time/rollout_s (generation, rewards, advantages) and
+            time/update_s (forward, backward, optimizer step).
+  TRL       GRPOTrainer with a callback: generation = ``_generate_and_score_completions`` (generation, rewards,
+            advantages), step = on_step_begin -> on_step_end, update = step - generation.
+Tokens/s divide the same S * (P + L) tokens by each side's seconds. Peak memory: the child's peak RSS (VmHWM,
+polled from this process until the last step is logged, so a final checkpoint save does not count); on CUDA
+``torch.cuda.max_memory_allocated``. Every measured run is a fresh process; sides alternate A/B, B/A, ...
+
+    make bench-env                                                   # once: .venv-bench (TRL 1.16.0, pinned)
+    .venv-bench/bin/python benchmarks/bench_trl.py                   # tiny + 0.5B-shaped, 3 alternated pairs
+    .venv-bench/bin/python benchmarks/bench_trl.py --works tiny --repeats 3 --out benchmarks/results/bench_trl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parents[1]))  # run as a script from a checkout
+
+from benchmarks.peer_work import (  # noqa: E402
+    SHAPES, WORKS, Work, build_model_folder, check_no_eos, fastgrpo_config, make_spec, spread_reward, trl_config,
+    write_prompts,
+)
+
+# -- the two children (each run is a fresh process) ------------------------------------------------------------
+
+
+def run_fastgrpo_child(spec: dict) -> None:
+    """fastgrpo through its public entry point; the per-step figures are its metrics.jsonl."""
+    import torch
+    import yaml
+
+    from fastgrpo.train import main as train_main
+
+    cfg = Path(spec["run_dir"]) / "fastgrpo.yaml"
+    cfg.write_text(yaml.safe_dump(fastgrpo_config(spec), sort_keys=False))
+    if spec.get("profile"):
+        from fastgrpo.trainer import Trainer
+
+        if not hasattr(Trainer, "policy_update"):
+            raise RuntimeError("--profile: fastgrpo.trainer.Trainer has no policy_update any more; point the "
+                               "profile hook in benchmarks/bench_trl.py at the trainer's update phase")
+        Trainer.policy_update = _profile_last(Trainer.policy_update, spec, lambda self: self.step)
+    rc = train_main(["--config", str(cfg)])
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    (Path(spec["run_dir"]) / "child.json").write_text(json.dumps({"rc": rc, "cuda_peak_bytes": peak}))
+    sys.exit(rc)
+
+
+def run_trl_child(spec: dict) -> None:
+    """TRL's GRPOTrainer with an equivalent GRPOConfig and a timing callback (see the module docstring)."""
+    import datasets
+    import torch
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fastgrpo.rewards import REWARDS
+
+    run_dir = Path(spec["run_dir"])
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    steps_file = (run_dir / "steps.jsonl").open("w")
+
+    class StepTimer(TrainerCallback):
+        """Generation = the trainer's generate-and-score call; step = on_step_begin -> on_step_end."""
+
+        def __init__(self, trainer):
+            self.inner = trainer._generate_and_score_completions  # TRL 1.16's rollout phase (private)
+            trainer._generate_and_score_completions = self.timed_generate
+            self.rec: dict = {}
+
+        def timed_generate(self, batch):
+            sync()
+            t0 = time.perf_counter()
+            out = self.inner(batch)
+            sync()
+            self.rec["gen_s"] = self.rec.get("gen_s", 0.0) + time.perf_counter() - t0
+            self.rec["calls"] = self.rec.get("calls", 0) + 1
+            self.rec["prompt_tokens"] = int(out["prompt_mask"].sum())
+            self.rec["completion_tokens"] = int(out["completion_mask"].sum())
+            return out
+
+        def on_step_begin(self, args, state, control, **kw):
+            sync()
+            self.rec = {"t0": time.perf_counter()}
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            rec = self.rec
+            if rec.get("calls") != 1:  # TRL changed where it generates: the split below would be wrong
+                raise RuntimeError(f"trl {__import__('trl').__version__}: expected one generation call per "
+                                   f"optimizer step, saw {rec.get('calls', 0)}")
+            step_s = time.perf_counter() - rec.pop("t0")
+            rec |= {"step": state.global_step, "step_s": step_s, "update_s": step_s - rec["gen_s"],
+                    "cuda_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+            steps_file.write(json.dumps(rec) + "\n")
+            steps_file.flush()
+
+    funcs = [REWARDS[name] for name in spec["shared"]["rewards"]] + [spread_reward]
+    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=funcs, args=GRPOConfig(**trl_config(spec)),
+                          train_dataset=datasets.load_dataset("json", data_files=spec["prompts_file"], split="train"),
+                          processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]))
+    timer = StepTimer(trainer)
+    trainer.add_callback(timer)
+    if spec.get("profile"):  # TRL's update = its training_step calls after the generation; profiled the same way
+        def update_only(model, inputs, num_items, _inner=type(trainer).training_step.__get__(trainer)):
+            return _inner(model, inputs, num_items)
+        trainer._prepare_inputs = _unprofiled(trainer._prepare_inputs)
+        trainer.training_step = _profile_last(update_only, spec, lambda _: trainer.state.global_step)
+    trainer.train()
+    steps_file.close()
+
+
+_PROFILE = {"prof": None}
+
+
+def _profile_last(fn, spec: dict, step_of):
+    """Wrap ``fn`` so that its calls during the last step run under torch.profiler (CPU ops; CUDA too when
+    present); the table, sorted by self time, goes to RUN_DIR/profile.txt when the process exits."""
+    import atexit
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    last = spec["warmup"] + spec["steps"] - 1
+
+    def write():
+        prof = _PROFILE["prof"]
+        if prof is not None:
+            prof.stop()
+            key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
+            shapes = prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=20,
+                                                                        max_name_column_width=50)
+            (Path(spec["run_dir"]) / "profile.txt").write_text(f"{table}\n\nby input shape:\n{shapes}")
+
+    atexit.register(write)
+
+    def wrapped(self_or_first, *args, **kwargs):
+        if step_of(self_or_first) != last:
+            return fn(self_or_first, *args, **kwargs)
+        if _PROFILE["prof"] is None:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            _PROFILE["prof"] = profile(activities=acts, record_shapes=True)
+            _PROFILE["prof"].start()
+        else:
+            _PROFILE["prof"].toggle_collection_dynamic(True, _PROFILE["prof"].activities)
+        try:
+            return fn(self_or_first, *args, **kwargs)
+        finally:
+            _PROFILE["prof"].toggle_collection_dynamic(False, _PROFILE["prof"].activities)
+
+    return wrapped
+
+
+def _unprofiled(fn):
+    """Run ``fn`` with profiler collection paused (TRL generates inside its first training_step)."""
+    def wrapped(*args, **kwargs):
+        prof = _PROFILE["prof"]
+        if prof is None:
+            return fn(*args, **kwargs)
+        prof.toggle_collection_dynamic(False, prof.activities)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            prof.toggle_collection_dynamic(True, prof.activities)
+    return wrapped
+
+
+CHILDREN = {"fastgrpo": run_fastgrpo_child, "trl": run_trl_child}
+
+
+# -- running and reading one side ------------------------------------------------------------------------------
+
+
+def _vm_hwm(pid: int) -> int | None:
+    """Peak resident set size of a live process in bytes (Linux /proc), or None."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _progress_file(side: str, run_dir: Path) -> Path:
+    return run_dir / ("fastgrpo/metrics.jsonl" if side == "fastgrpo" else "steps.jsonl")
+
+
+def _lines(path: Path) -> int:
+    try:
+        return sum(1 for line in path.read_text().splitlines() if line.strip())
+    except OSError:
+        return 0
+
+
+def run_side(side: str, spec: dict, timeout_s: float) -> dict:
+    """One fresh child process; returns its per-step records, peak memory and wall time."""
+    run_dir = Path(spec["run_dir"])
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    log = (run_dir / "child.log").open("w")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, str(HERE), "--child", side, "--spec", str(run_dir / "spec.json")],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    total, progress, peak = spec["warmup"] + spec["steps"], _progress_file(side, run_dir), None
+    # Poll the peak RSS until the last step is logged: what the child does after (a checkpoint save) is not the
+    # training step's memory.
+    while proc.poll() is None and _lines(progress) < total:
+        peak = _vm_hwm(proc.pid) or peak
+        if time.perf_counter() - t0 > timeout_s:
+            proc.kill()
+            break
+        time.sleep(0.1)
+    try:
+        proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+    wall = time.perf_counter() - t0
+    steps = _read_steps(side, run_dir)
+    error = "" if len(steps) >= total else (
+        f"rc={proc.returncode}, {len(steps)}/{total} steps; see {run_dir / 'child.log'}: "
+        + " | ".join((run_dir / "child.log").read_text(errors="replace").strip().splitlines()[-3:])[-300:])
+    cuda_peak = None
+    if side == "fastgrpo" and (run_dir / "child.json").is_file():
+        cuda_peak = json.loads((run_dir / "child.json").read_text())["cuda_peak_bytes"]
+    elif steps:
+        cuda_peak = steps[-1].get("cuda_peak_bytes")
+    return {"side": side, "steps": steps, "peak_rss_bytes": peak, "cuda_peak_bytes": cuda_peak, "wall_s": wall,
+            "error": error}
+
+
+def _read_steps(side: str, run_dir: Path) -> list[dict]:
+    """Per-step records in one format: gen_s, update_s, step_s, prompt_tokens, completion_tokens."""
+    path = _progress_file(side, run_dir)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if side == "fastgrpo":
+            comp = int(r["perf/rollout_tokens"])
+            r = {"step": r["step"], "gen_s": r["time/rollout_s"], "update_s": r["time/update_s"],
+                 "step_s": r["time/rollout_s"] + r["time/update_s"], "completion_tokens": comp,
+                 "prompt_tokens": int(r["perf/update_tokens"]) - comp}
+        out.append(r)
+    return out
+
+
+# -- alternated pairs, medians, ratios -------------------------------------------------------------------------
+
+METRICS = (  # name, unit, per-run value from (median step record, run, tokens per step)
+    ("generation", "s", lambda r, run, n: r["gen_s"]),
+    ("update", "s", lambda r, run, n: r["update_s"]),
+    ("step", "s", lambda r, run, n: r["step_s"]),
+    ("update tokens/s", "", lambda r, run, n: n / r["update_s"]),
+    ("end-to-end tokens/s", "", lambda r, run, n: n / r["step_s"]),
+    ("peak memory", "GB", lambda r, run, n: (run["cuda_peak_bytes"] if run["cuda_peak_bytes"] is not None
+                                              else run["peak_rss_bytes"] or float("nan")) / 1e9),
+)
+
+
+def median_record(steps: list[dict], warmup: int) -> dict:
+    """Per-key median over the measured (post warm-up) steps."""
+    kept = steps[warmup:]
+    return {k: statistics.median(s[k] for s in kept) for k in ("gen_s", "update_s", "step_s")}
+
+
+def summarize(name: str, work: dict, runs: list[dict]) -> dict:
+    """runs: alternating records of both sides, each tagged with its repeat index."""
+    tokens = work["sequences"] * (work["prompt_len"] + work["max_completion_length"])
+    per_side: dict[str, dict[int, dict]] = {"fastgrpo": {}, "trl": {}}
+    equal, notes = True, []
+    for run in runs:
+        if run["error"]:
+            notes.append(f"{run['side']} repeat {run['repeat']}: {run['error']}")
+            continue
+        measured = run["steps"][work["warmup"]:]
+        for rec in measured:
+            want = (work["sequences"] * work["prompt_len"], work["sequences"] * work["max_completion_length"])
+            got = (rec["prompt_tokens"], rec["completion_tokens"])
+            if got != want:
+                equal = False
+                notes.append(f"{run['side']} repeat {run['repeat']} step {rec['step']}: tokens (prompt, completion) "
+                             f"{got} != {want}")
+        med = median_record(run["steps"], work["warmup"])
+        per_side[run["side"]][run["repeat"]] = {m: fn(med, run, tokens) for m, _, fn in METRICS}
+    rows = []
+    pairs = sorted(set(per_side["fastgrpo"]) & set(per_side["trl"]))
+    for m, unit, _ in METRICS:
+        a = [per_side["fastgrpo"][k][m] for k in sorted(per_side["fastgrpo"])]
+        b = [per_side["trl"][k][m] for k in sorted(per_side["trl"])]
+        ratios = [per_side["fastgrpo"][k][m] / per_side["trl"][k][m] for k in pairs]
+        rows.append({"metric": m, "unit": unit, "fastgrpo": a, "trl": b, "ratios": ratios})
+    return {"work": name, **work, "tokens_per_step": tokens, "equal_tokens": equal, "notes": notes, "rows": rows}
+
+
+def _fmt(values: list[float], digits: int) -> str:
+    if not values:
+        return "n/a"
+    med = statistics.median(values)
+    return f"{med:,.{digits}f} ({min(values):,.{digits}f}-{max(values):,.{digits}f})"
+
+
+def markdown(summary: dict) -> str:
+    s = summary
+    head = (f"**{s['work']}**: model {s['model']}, S = {s['prompts_per_step']} x {s['generations']} = "
+            f"{s['sequences']} sequences of {s['prompt_len']} prompt + {s['max_completion_length']} completion "
+            f"tokens ({s['tokens_per_step']:,} tokens per step), {s['steps']} measured steps after "
+            f"{s['warmup']} warm-up, {len(s['rows'][0]['ratios'])} alternated pairs; equal tokens on both sides: "
+            f"{'yes' if s['equal_tokens'] else 'NO'}\n\n")
+    lines = ["| per step | fastgrpo, median (range) | TRL, median (range) | fastgrpo / TRL per pair | median ratio |",
+             "|---|---|---|---|---|"]
+    for r in s["rows"]:
+        digits = 0 if "tokens/s" in r["metric"] else (2 if r["unit"] == "GB" else 3)
+        unit = f" ({r['unit']})" if r["unit"] else ""
+        ratio_med = f"{statistics.median(r['ratios']):.2f}" if r["ratios"] else "n/a"
+        lines.append(f"| {r['metric']}{unit} | {_fmt(r['fastgrpo'], digits)} | {_fmt(r['trl'], digits)} | "
+                     f"{', '.join(f'{x:.2f}' for x in r['ratios']) or 'n/a'} | {ratio_med} |")
+    notes = "".join(f"\n- {n}" for n in s["notes"][:10])
+    return head + "\n".join(lines) + ("\n" + notes if notes else "") + "\n"
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+    for mod in ("torch", "transformers", "trl", "accelerate", "datasets", "vllm"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # not installed (vllm is optional)
+            out[mod] = None
+    try:
+        import torch
+
+        out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    except ImportError:
+        pass
+    return out
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--works", default="tiny,qwen0.5b-shape", help=f"comma list of {list(WORKS)}")
+    ap.add_argument("--model-path", default=None,
+                    help="also run a real local model folder (e.g. Qwen2.5-0.5B-Instruct), as work 'local'")
+    ap.add_argument("--repeats", type=int, default=3, help="alternated fastgrpo/TRL pairs per work")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps per run (default: the work's)")
+    ap.add_argument("--warmup", type=int, default=None, help="discarded steps per run (default: the work's)")
+    ap.add_argument("--engine", default="hf", choices=("hf", "vllm"),
+                    help="hf: transformers generation on both sides; vllm: colocated vLLM on both")
+    ap.add_argument("--trl-micro-batch", type=int, default=8, help="TRL per_device_train_batch_size")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default=None, help="model folders, prompts and runs (default: $FASTGRPO_CACHE "
+                                                    "or ~/.cache/fastgrpo, under bench-trl/)")
+    ap.add_argument("--run-timeout-s", type=float, default=1800, help="kill one side's run after this long")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no new run after this many seconds")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of timing: one run per side under torch.profiler, the last step's update only "
+                         "(fastgrpo: policy_update; TRL: its micro-batch training steps, generation excluded); "
+                         "writes OUT-profile-WORK-SIDE.txt")
+    ap.add_argument("--out", default="benchmarks/results/bench_trl", help="writes OUT.json and OUT.md")
+    ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def prepare(work: Work, args, root: Path, device: str) -> dict:
+    """Model folder and prompt file (built once, cached under ROOT), then the spec both children read."""
+    key = work.model if work.model in ("tiny", *SHAPES) else Path(work.model).name
+    model_dir = build_model_folder(work.model, root / "models" / f"{key}-noeos-seed{args.seed}", seed=args.seed)
+    prompts_file = root / "prompts" / f"{key}.jsonl"
+    prompts_file.parent.mkdir(parents=True, exist_ok=True)
+    P = write_prompts(model_dir, prompts_file, count=64, seed=args.seed)
+    spec = make_spec(work, model_dir=model_dir, prompts_file=prompts_file, prompt_len=P, device=device,
+                     engine=args.engine, seed=args.seed, trl_micro_batch=args.trl_micro_batch, steps=args.steps,
+                     warmup=args.warmup)
+    return spec | {"max_eos_probability": check_no_eos(model_dir, prompts_file)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        CHILDREN[args.child](json.loads(Path(args.spec).read_text()))
+        return 0
+    try:
+        import trl  # noqa: F401  (the children need it; fail here, in one line)
+    except ImportError:
+        print("bench_trl: TRL is not installed in this environment; run `make bench-env` and use "
+              ".venv-bench/bin/python (TRL is never a dependency of fastgrpo itself)", file=sys.stderr)
+        return 2
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    root = Path(args.workdir or Path(os.environ.get("FASTGRPO_CACHE", Path.home() / ".cache" / "fastgrpo")) / "bench-trl")
+    works = {n: WORKS[n] for n in args.works.split(",") if n}
+    if args.model_path:
+        works["local"] = Work(model=args.model_path, prompts_per_step=2, max_completion_length=128)
+    start, summaries, configs = time.perf_counter(), [], {}
+    for name, work in works.items():
+        spec = prepare(work, args, root, device)
+        print(f"[{name}] model {spec['model_dir']}, P={spec['prompt_len']}, max EOS probability "
+              f"{spec['max_eos_probability']:.1e}", file=sys.stderr)
+        configs[name] = {"fastgrpo": fastgrpo_config(spec), "trl": trl_config(spec)}
+        if args.profile:
+            for side in CHILDREN:
+                run = run_side(side, {**spec, "profile": True, "run_dir": str(root / "runs" / name / side)},
+                               args.run_timeout_s)
+                src = Path(root / "runs" / name / side / "profile.txt")
+                dst = Path(f"{args.out}-profile-{name}-{side}.txt")
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.write_text(src.read_text() if src.is_file() else f"no profile: {run['error']}\n")
+                print(f"[{name}] {side}: profile of the last update in {dst}", file=sys.stderr)
+            continue
+        runs = []
+        for rep in range(args.repeats):
+            for side in (("fastgrpo", "trl") if rep % 2 == 0 else ("trl", "fastgrpo")):
+                if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                    runs.append({"side": side, "repeat": rep, "steps": [], "error": "skipped: time budget"})
+                    continue
+                run = run_side(side, {**spec, "run_dir": str(root / "runs" / name / side)}, args.run_timeout_s)
+                run["repeat"] = rep
+                runs.append(run)
+                med = median_record(run["steps"], spec["warmup"]) if not run["error"] else {}
+                mem = run["cuda_peak_bytes"] if run["cuda_peak_bytes"] is not None else run["peak_rss_bytes"]
+                print(f"[{name}] repeat {rep} {side}: {run['wall_s']:.0f}s wall, "
+                      + (", ".join(f"{k} {v:.3f}" for k, v in med.items()) or run["error"])
+                      + (f", peak memory {mem / 1e9:.2f} GB" if mem else ""), file=sys.stderr)
+        summaries.append(summarize(name, spec, runs) | {"runs": runs})
+        write_results(args, argv, configs, summaries)  # after each work, so a cut-short run keeps what it did
+    if summaries:
+        print("\n".join(markdown(s) for s in summaries))
+    return 0
+
+
+def write_results(args, argv, configs: dict, summaries: list[dict]) -> None:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = "python benchmarks/bench_trl.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    info = versions()
+    out.with_suffix(".json").write_text(json.dumps({"command": cmd, "date": time.strftime("%Y-%m-%d"),
+                                                    "versions": info, "configs": configs, "works": summaries},
+                                                   indent=1, default=str))
+    text = "\n".join(markdown(s) for s in summaries)
+    out.with_suffix(".md").write_text(f"{time.strftime('%Y-%m-%d')}, {info}\n\n`{cmd}`\n\n{text}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The work both trainers do in benchmarks/bench_trl.py, and the configs that give it to each of them.
+
+No TRL import here (tests check the two configs without TRL installed). One spec (a dict: the Work fields,
+paths, device, engine) -> ``fastgrpo_config`` (a fastgrpo.train YAML tree) and ``trl_config`` (GRPOConfig
+keyword arguments); ``settings_of_fastgrpo`` / ``settings_of_trl`` read both back under common names, so a
+test can assert that they ask for the same GRPO run.
+
+Inputs: ``build_model_folder`` (a no-EOS copy of the tiny model, a random model of a given shape, or a local
+folder; see ``suppress_eos``) and ``write_prompts`` (Countdown prompts rendered once, all of one token length).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+
+# Random-weight shapes (nothing downloaded); the tokenizer is the embedded tiny one (byte level), so a model
+# with Qwen2.5's vocabulary also samples ids past the tokenizer's: they decode to nothing on both sides.
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "108m": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Work:
+    """One side-by-side workload."""
+
+    model: str
+    """'tiny' (fastgrpo.tiny), a SHAPES key (random weights, built here), or a local model folder."""
+    prompts_per_step: int
+    """B: prompts per optimizer step."""
+    generations: int = 8
+    """G: completions per prompt."""
+    max_completion_length: int
+    """L: every completion has exactly this many tokens (the model never emits EOS)."""
+    warmup: int = 1
+    """Steps run first and discarded."""
+    steps: int = 2
+    """Measured steps per run (median per run)."""
+
+
+WORKS = {
+    # The issue's first tiny run was 4 x 8 x 128 new tokens; half the prompts and tokens keep three alternated
+    # pairs inside a session on the shared 2-core CPU.
+    "tiny": Work(model="tiny", prompts_per_step=2, max_completion_length=64),
+    "108m-shape": Work(model="108m", prompts_per_step=2, max_completion_length=32),
+    # One prompt per step and one measured step: a 0.5B float32 step takes minutes on the 2-core CPU.
+    "qwen0.5b-shape": Work(model="qwen2.5-0.5b", prompts_per_step=1, max_completion_length=32, steps=1),
+}
+
+SHARED = dict(temperature=1.0, top_p=1.0, beta=0.0, loss_type="dr_grpo", scale_rewards="group", epsilon=0.2,
+              lr=1e-6, adam_betas=(0.9, 0.99), weight_decay=0.0, max_grad_norm=1.0, attn="sdpa",
+              num_iterations=1, rewards=("format", "countdown"), system_prompt="", template="chat")
+"""GRPO settings both sides get (the one source: both config builders read it)."""
+
+
+def spread_reward(completions, completion_ids, **_):
+    """(sum of the completion's token ids mod 101) / 100: deterministic, and it differs between the samples of
+    a group (a random model scores 0 on Countdown, and a zero advantage lets a trainer skip work)."""
+    return [(sum(ids) % 101) / 100.0 for ids in completion_ids]
+
+
+# -- the two configs, from one spec ----------------------------------------------------------------------------
+
+
+def fastgrpo_config(spec: dict) -> dict:
+    """The config tree for ``python -m fastgrpo.train --config`` (YAML)."""
+    s, cuda = spec["shared"], spec["device"] == "cuda"
+    S = spec["prompts_per_step"] * spec["generations"]
+    rollout = {"engine": spec["engine"], "max_completion_length": spec["max_completion_length"],
+               "temperature": s["temperature"], "top_p": s["top_p"], "batch_size": S}  # one generate call, as TRL
+    if spec["engine"] == "vllm":
+        rollout |= {"enforce_eager": not cuda, "sleep_level": 1 if cuda else 0, "gpu_memory_utilization": 0.3}
+    return {
+        "name": "fastgrpo", "output_dir": spec["run_dir"], "max_steps": spec["warmup"] + spec["steps"],
+        "seed": spec["seed"], "device": spec["device"],
+        "model": {"name_or_path": spec["model_dir"], "dtype": "auto" if cuda else "float32",
+                  "attn_implementation": s["attn"]},
+        "data": {"source": spec["prompts_file"], "template": s["template"], "system_prompt": s["system_prompt"],
+                 "num_eval": 1},
+        "rewards": {"funcs": [*s["rewards"], f"{HERE}:spread_reward"], **_in_process_rewards()},
+        "rollout": rollout,
+        "grpo": {"prompts_per_step": spec["prompts_per_step"], "num_generations": spec["generations"],
+                 "loss_type": s["loss_type"], "scale_rewards": s["scale_rewards"], "beta": s["beta"],
+                 "epsilon_low": s["epsilon"], "epsilon_high": s["epsilon"], "num_iterations": s["num_iterations"]},
+        "optim": {"lr": s["lr"], "weight_decay": s["weight_decay"], "betas": list(s["adam_betas"]),
+                  "warmup_steps": 0, "schedule": "constant", "max_grad_norm": s["max_grad_norm"]},
+        "checkpoint": {"export_hf": False, "resume": "never"},
+        "eval": {"every": -1},
+        "log": {"report_to": ["jsonl"], "progress": False, "completions_per_step": 0},
+    }
+
+
+def _in_process_rewards() -> dict:
+    """TRL calls reward functions in its own process; fastgrpo versions with a reward sandbox run plugin files in
+    worker processes unless ``rewards.sandbox`` is false. Same work: in process on both sides."""
+    import dataclasses
+
+    from fastgrpo.config import RewardConfig
+
+    return {"sandbox": False} if "sandbox" in {f.name for f in dataclasses.fields(RewardConfig)} else {}
+
+
+def trl_config(spec: dict) -> dict:
+    """Keyword arguments of ``trl.GRPOConfig``: one optimizer step per rollout batch of S completions, in
+    micro-batches of ``trl_micro_batch`` sequences (TRL's default 8)."""
+    s, cuda = spec["shared"], spec["device"] == "cuda"
+    S, mb = spec["prompts_per_step"] * spec["generations"], spec["trl_micro_batch"]
+    if S % mb:
+        raise ValueError(f"--trl-micro-batch: {mb} must divide B*G = {S}")
+    kwargs = dict(
+        output_dir=spec["run_dir"], max_steps=spec["warmup"] + spec["steps"], seed=spec["seed"],
+        per_device_train_batch_size=mb, gradient_accumulation_steps=S // mb, num_generations=spec["generations"],
+        max_completion_length=spec["max_completion_length"], temperature=s["temperature"], top_p=s["top_p"],
+        top_k=0, learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=s["weight_decay"], adam_beta1=s["adam_betas"][0], adam_beta2=s["adam_betas"][1],
+        max_grad_norm=s["max_grad_norm"], beta=s["beta"], loss_type=s["loss_type"],
+        scale_rewards=s["scale_rewards"], epsilon=s["epsilon"], num_iterations=s["num_iterations"],
+        # TRL defaults differ from fastgrpo's: gradient checkpointing on (recomputes the trunk) and bf16 on.
+        gradient_checkpointing=False, bf16=cuda, use_cpu=not cuda,
+        model_init_kwargs={"dtype": "float32", "attn_implementation": s["attn"]},
+        report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, log_completions=False,
+        dataloader_num_workers=0,
+    )
+    if spec["engine"] == "vllm":
+        kwargs |= dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False,
+                       vllm_gpu_memory_utilization=0.3)
+    return kwargs
+
+
+def settings_of_fastgrpo(tree: dict) -> dict:
+    """The GRPO settings a fastgrpo config tree encodes, under common names (for the equality test)."""
+    g, r, o = tree["grpo"], tree["rollout"], tree["optim"]
+    return dict(generations=g["num_generations"], sequences_per_step=g["prompts_per_step"] * g["num_generations"],
+                max_completion_length=r["max_completion_length"], temperature=r["temperature"], top_p=r["top_p"],
+                beta=g["beta"], loss_type=g["loss_type"], scale_rewards=g["scale_rewards"],
+                epsilon=(g["epsilon_low"], g["epsilon_high"]), num_iterations=g["num_iterations"], lr=o["lr"],
+                betas=tuple(o["betas"]), weight_decay=o["weight_decay"], max_grad_norm=o["max_grad_norm"],
+                schedule=o["schedule"], warmup=o["warmup_steps"], attn=tree["model"]["attn_implementation"],
+                steps=tree["max_steps"], vllm=r["engine"] == "vllm")
+
+
+def settings_of_trl(kw: dict) -> dict:
+    """The same settings from GRPOConfig keyword arguments (or a GRPOConfig's attributes)."""
+    eps_high = kw.get("epsilon_high") if kw.get("epsilon_high") is not None else kw["epsilon"]
+    return dict(generations=kw["num_generations"],
+                sequences_per_step=kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"],
+                max_completion_length=kw["max_completion_length"], temperature=kw["temperature"],
+                top_p=kw["top_p"], beta=kw["beta"], loss_type=kw["loss_type"], scale_rewards=kw["scale_rewards"],
+                epsilon=(kw["epsilon"], eps_high), num_iterations=kw["num_iterations"], lr=kw["learning_rate"],
+                betas=(kw["adam_beta1"], kw["adam_beta2"]), weight_decay=kw["weight_decay"],
+                max_grad_norm=kw["max_grad_norm"], schedule=str(kw["lr_scheduler_type"]).split(".")[-1].lower(),
+                warmup=kw["warmup_steps"], attn=kw["model_init_kwargs"]["attn_implementation"],
+                steps=kw["max_steps"], vllm=bool(kw.get("use_vllm", False)))
+
+
+# -- inputs: model folder and prompt file ----------------------------------------------------------------------
+
+
+def suppress_eos(model, eos_ids: list[int], *, dim: int = 0, margin: float = 10.0) -> None:
+    """Edit a decoder so that no EOS id can be sampled, at unchanged cost: residual channel ``dim`` becomes a
+    constant (1 in every embedding row, -margin in the EOS rows; no layer writes to it), so after the final norm
+    it is a large positive feature and each EOS logit sits about (1 + margin) * that feature below the others."""
+    import torch
+
+    with torch.no_grad():
+        for table in {id(t): t for t in (model.get_input_embeddings().weight,
+                                         model.get_output_embeddings().weight)}.values():
+            table[:, dim] = 1.0
+            table[eos_ids, dim] = -margin
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):  # the two writers of the residual stream
+                proj.weight[dim, :] = 0.0
+                if proj.bias is not None:
+                    proj.bias[dim] = 0.0
+
+
+def eos_ids_of(folder: Path) -> list[int]:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    ids = set()
+    sources = [AutoConfig.from_pretrained(folder).eos_token_id, AutoTokenizer.from_pretrained(folder).eos_token_id]
+    try:
+        sources.append(GenerationConfig.from_pretrained(folder).eos_token_id)
+    except OSError:
+        pass
+    for src in sources:
+        if src is not None:
+            ids.update([src] if isinstance(src, int) else src)
+    return sorted(ids)
+
+
+def build_model_folder(model: str, dest: Path, *, seed: int) -> Path:
+    """A no-EOS copy of ``model`` in ``dest`` (built once; reused when present)."""
+    if (dest / "config.json").is_file():
+        return dest
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from fastgrpo.tiny import build_tiny
+
+    tiny = build_tiny(seed=seed)
+    src = tiny if model in ("tiny", *SHAPES) else Path(model)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.index.json", "config.json"))
+    if model in SHAPES:
+        base = json.loads((tiny / "config.json").read_text())
+        ids = {k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        torch.manual_seed(seed)
+        net = AutoModelForCausalLM.from_config(Qwen2Config(max_position_embeddings=4096, **SHAPES[model], **ids),
+                                               dtype=torch.float32)
+    else:
+        net = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    suppress_eos(net, eos_ids_of(src))
+    net.save_pretrained(tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def write_prompts(model_dir: Path, path: Path, *, count: int, seed: int) -> int:
+    """Countdown rows rendered once (fastgrpo's chat template), keeping only rows whose prompt has the most
+    common token length; writes jsonl rows {prompt, nums, target} and returns that length P."""
+    from collections import Counter
+
+    from transformers import AutoTokenizer
+
+    from fastgrpo.data import countdown_splits, render_prompt
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows, _ = countdown_splits(num_train=count * 8, num_eval=0, seed=seed, min_numbers=3, max_numbers=4,
+                               max_value=99)
+    rendered = [(render_prompt({**r, "task": "countdown"}, template=SHARED["template"],
+                               system_prompt=SHARED["system_prompt"], tokenizer=tok), r) for r in rows]
+    lengths = [len(tok(text)["input_ids"]) for text, _ in rendered]
+    P = Counter(lengths).most_common(1)[0][0]
+    keep = [{"prompt": t, "nums": r["nums"], "target": r["target"]} for (t, r), n in zip(rendered, lengths) if n == P]
+    path.write_text("".join(json.dumps(row) + "\n" for row in keep[:count]))
+    return P
+
+
+def check_no_eos(model_dir: Path, prompts_file: Path) -> float:
+    """Largest probability any EOS id gets at the positions of one prompt whose input is not itself an EOS id
+    (must be ~0; after an EOS input the edited channel is negative, but generation never feeds one)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    net = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    text = json.loads(prompts_file.read_text().splitlines()[0])["prompt"]
+    ids = torch.tensor([tok(text)["input_ids"]])  # [1, P]
+    eos = eos_ids_of(model_dir)
+    with torch.no_grad():
+        probs = net(input_ids=ids).logits.float().softmax(-1)[0]  # [P, V]
+    return probs[~torch.isin(ids[0], torch.tensor(eos))][:, eos].max().item()
+
+
+def make_spec(work: Work, *, model_dir, prompts_file, prompt_len: int, device: str = "cpu", engine: str = "hf",
+              seed: int = 0, trl_micro_batch: int = 8, steps: int | None = None, warmup: int | None = None,
+              run_dir: str = "RUN_DIR") -> dict:
+    """The spec both children read (JSON-able)."""
+    return {**asdict(work), "steps": steps or work.steps, "warmup": work.warmup if warmup is None else warmup,
+            "model_dir": str(model_dir), "prompts_file": str(prompts_file), "prompt_len": prompt_len,
+            "sequences": work.prompts_per_step * work.generations, "device": device, "engine": engine,
+            "seed": seed, "trl_micro_batch": trl_micro_batch, "shared": SHARED, "run_dir": str(run_dir)}
+
