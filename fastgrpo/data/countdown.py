@@ -14,9 +14,10 @@ solver searches over all rational intermediates, a superset of what the generato
 
 from __future__ import annotations
 
+import itertools
 import random
 from fractions import Fraction
-from typing import Any, Hashable, Iterable
+from typing import Any, Hashable, Iterable, Iterator
 
 MAX_TARGET = 100
 """Generated targets lie in 1..MAX_TARGET (like Countdown-Tasks-3to4's)."""
@@ -141,3 +142,33 @@ def solve(nums: Iterable[int], target: int) -> str | None:
     if expr is not None and expr.startswith("(") and expr.endswith(")"):
         expr = expr[1:-1]  # the outermost pair always wraps the whole expression (one binary op)
     return expr
+
+
+def iter_solutions(nums: Iterable[int], target: int) -> Iterator[tuple[list[str], str]]:
+    """Every way to reach ``target`` under Countdown's rules, as (steps, expression), in a fixed order.
+
+    Rules as the generator's: combine two values at a time with ``+ - * /`` keeping every intermediate a
+    positive integer. ``steps`` are the intermediate results in the order they are made (``"8*4=32"``);
+    ``expression`` is the same computation in one line without spaces (``"(3+5)*4"``), which the ``countdown``
+    reward parses. The order is deterministic (pairs in index order, then + * - /), so the first solution is a
+    function of the problem.
+    """
+
+    def search(items: list[tuple[int, str]], steps: list[str]) -> Iterator[tuple[list[str], str]]:
+        if len(items) == 1:
+            if items[0][0] == target:
+                expr = items[0][1]
+                yield list(steps), expr[1:-1] if expr.startswith("(") and expr.endswith(")") else expr
+            return
+        for i, j in itertools.permutations(range(len(items)), 2):
+            (a, ea), (b, eb) = items[i], items[j]
+            rest = [items[k] for k in range(len(items)) if k != i and k != j]
+            ops = [("+", a + b), ("*", a * b)] if i < j else []  # commutative: one order only
+            if a > b:
+                ops.append(("-", a - b))
+            if b > 1 and a % b == 0:
+                ops.append(("/", a // b))
+            for op, value in ops:
+                yield from search(rest + [(value, f"({ea}{op}{eb})")], steps + [f"{a}{op}{b}={value}"])
+
+    yield from search([(int(n), str(int(n))) for n in nums], [])

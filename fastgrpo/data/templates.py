@@ -7,9 +7,13 @@ Two templates (DataConfig.template):
 - ``base``: plain text for base models (TinyZero style): a short framing, the user message, and an
   assistant turn that has already opened ``<think>``. The ``format`` reward sees that the prompt ends in
   ``<think>`` and treats the completion as starting inside the thinking block. The system prompt is not used.
+- ``compact``: the task's compact statement alone (Countdown: ``3 5 4 -> 32`` and a newline), no instructions
+  and no chat turn: for the embedded tiny models, whose tokens are bytes, so every prompt byte costs compute,
+  and which learn the answer format from SFT rather than from instructions.
 
-Each task contributes one function row -> user message (USER_MESSAGES); each template one function
-(TEMPLATES). Adding a task or template is one entry, not a branch.
+Each task contributes one function row -> user message (USER_MESSAGES) and may contribute a compact statement
+(COMPACT_MESSAGES); each template is one function (TEMPLATES). Adding a task or template is one entry, not a
+branch.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ def countdown_user_message(row: dict[str, Any]) -> str:
     )
 
 
+def countdown_compact(row: dict[str, Any]) -> str:
+    return f"{' '.join(str(n) for n in row['nums'])} -> {row['target']}\n"
+
+
 def gsm8k_user_message(row: dict[str, Any]) -> str:
     return (
         f"{row['question']}\nReason inside <think> </think> tags, then write only the final number inside "
@@ -51,25 +59,38 @@ USER_MESSAGES: dict[str, Callable[[dict[str, Any]], str]] = {
 }
 """Task name -> row -> user message."""
 
+COMPACT_MESSAGES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "countdown": countdown_compact,
+    "toy": toy_user_message,
+}
+"""Task name -> row -> the whole prompt of the ``compact`` template."""
 
-def _render_chat(user: str, *, system_prompt: str, tokenizer: Any) -> str:
+
+def _render_chat(row: dict[str, Any], task: str, *, system_prompt: str, tokenizer: Any) -> str:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "data.template='chat' needs a tokenizer with a chat template; this one has none "
             "(use data.template='base' for base models)"
         )
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": user}
+        {"role": "user", "content": USER_MESSAGES[task](row)}
     ]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def _render_base(user: str, *, system_prompt: str, tokenizer: Any) -> str:
-    return f"{BASE_PREAMBLE}\nUser: {user}\nAssistant: {BASE_ASSISTANT_OPENING}"
+def _render_base(row: dict[str, Any], task: str, *, system_prompt: str, tokenizer: Any) -> str:
+    return f"{BASE_PREAMBLE}\nUser: {USER_MESSAGES[task](row)}\nAssistant: {BASE_ASSISTANT_OPENING}"
 
 
-TEMPLATES: dict[str, Callable[..., str]] = {"chat": _render_chat, "base": _render_base}
-"""Template name -> (user message, system_prompt=, tokenizer=) -> prompt text."""
+def _render_compact(row: dict[str, Any], task: str, *, system_prompt: str, tokenizer: Any) -> str:
+    if task not in COMPACT_MESSAGES:
+        raise ValueError(f"data.template='compact' has no compact form of the task {task!r}; tasks with one: "
+                         f"{sorted(COMPACT_MESSAGES)}")
+    return COMPACT_MESSAGES[task](row)
+
+
+TEMPLATES: dict[str, Callable[..., str]] = {"chat": _render_chat, "base": _render_base, "compact": _render_compact}
+"""Template name -> (row, task, system_prompt=, tokenizer=) -> prompt text."""
 
 
 def render_prompt(
@@ -81,4 +102,4 @@ def render_prompt(
         raise ValueError(f"render_prompt: unknown task {task!r}; known tasks: {sorted(USER_MESSAGES)}")
     if template not in TEMPLATES:
         raise ValueError(f"render_prompt: unknown template {template!r}; known templates: {sorted(TEMPLATES)}")
-    return TEMPLATES[template](USER_MESSAGES[task](row), system_prompt=system_prompt, tokenizer=tokenizer)
+    return TEMPLATES[template](row, task, system_prompt=system_prompt, tokenizer=tokenizer)
