@@ -144,21 +144,19 @@ def solve(nums: Iterable[int], target: int) -> str | None:
     return expr
 
 
-def iter_solutions(nums: Iterable[int], target: int) -> Iterator[tuple[list[str], str]]:
-    """Every way to reach ``target`` under Countdown's rules, as (steps, expression), in a fixed order.
+def iter_expressions(nums: Iterable[int]) -> Iterator[tuple[list[str], str, int]]:
+    """Every way to combine all of ``nums`` under Countdown's rules, as (steps, expression, value), in a fixed order.
 
-    Rules as the generator's: combine two values at a time with ``+ - * /`` keeping every intermediate a
-    positive integer. ``steps`` are the intermediate results in the order they are made (``"8*4=32"``);
-    ``expression`` is the same computation in one line without spaces (``"(3+5)*4"``), which the ``countdown``
-    reward parses. The order is deterministic (pairs in index order, then + * - /), so the first solution is a
-    function of the problem.
+    Rules as the generator's: combine two values at a time with ``+ - * /`` keeping every intermediate a positive
+    integer. ``steps`` are the intermediate results in the order they are made (``"8*4=32"``); ``expression`` is
+    the same computation in one line without spaces (``"(3+5)*4"``), which the ``countdown`` reward parses. The
+    order is deterministic (pairs in index order, then + * - /).
     """
 
-    def search(items: list[tuple[int, str]], steps: list[str]) -> Iterator[tuple[list[str], str]]:
+    def search(items: list[tuple[int, str]], steps: list[str]) -> Iterator[tuple[list[str], str, int]]:
         if len(items) == 1:
-            if items[0][0] == target:
-                expr = items[0][1]
-                yield list(steps), expr[1:-1] if expr.startswith("(") and expr.endswith(")") else expr
+            value, expr = items[0]
+            yield list(steps), expr[1:-1] if expr.startswith("(") and expr.endswith(")") else expr, value
             return
         for i, j in itertools.permutations(range(len(items)), 2):
             (a, ea), (b, eb) = items[i], items[j]
@@ -172,3 +170,21 @@ def iter_solutions(nums: Iterable[int], target: int) -> Iterator[tuple[list[str]
                 yield from search(rest + [(value, f"({ea}{op}{eb})")], steps + [f"{a}{op}{b}={value}"])
 
     yield from search([(int(n), str(int(n))) for n in nums], [])
+
+
+def iter_solutions(nums: Iterable[int], target: int) -> Iterator[tuple[list[str], str]]:
+    """The expressions of :func:`iter_expressions` that equal ``target``, as (steps, expression)."""
+    for steps, expr, value in iter_expressions(nums):
+        if value == target:
+            yield steps, expr
+
+
+def closest_miss(nums: Iterable[int], target: int, rng: random.Random) -> tuple[list[str], str] | None:
+    """An expression of :func:`iter_expressions` whose value is as close to ``target`` as any that misses it
+    (ties broken by ``rng``), as (steps, expression); None when every expression hits the target."""
+    misses = [(abs(value - target), steps, expr) for steps, expr, value in iter_expressions(nums) if value != target]
+    if not misses:
+        return None
+    best = min(d for d, _, _ in misses)
+    _, steps, expr = rng.choice([m for m in misses if m[0] == best])
+    return steps, expr

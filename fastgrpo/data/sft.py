@@ -9,7 +9,10 @@ Sources (DataConfig.source):
   problems are drawn first from their own stream, so a GRPO run with the same ``data`` settings evaluates on
   problems this SFT never saw). The prompt is rendered with ``data.template`` as the GRPO trainer renders it; the
   completion is the exhaustive solver's solution written by the trace style ``trace`` (registry ``TRACES``) in
-  the format the rewards check: ``<think>...</think><answer>expr</answer>``.
+  the format the rewards check: ``<think>...</think><answer>expr</answer>``. Optionally a share of the training
+  completions (``near_miss``) are honest attempts that miss the target by as little as any: with only solutions,
+  a small model learns to write the target as its last intermediate result whatever the arithmetic gives; with
+  misses mixed in it must compute, and its samples become diverse candidates that GRPO can choose among.
 - a json/jsonl/parquet file, a folder ``datasets`` reads, or a hub dataset id (``name:config``), with either
   ``prompt`` and ``completion`` string columns (the prompt is used verbatim) or a chat ``messages`` column (a
   list of ``{"role", "content"}`` whose last message is the assistant's: the prompt is the tokenizer's chat
@@ -26,7 +29,7 @@ import random
 from typing import Any, Callable
 
 from fastgrpo.config import DataConfig
-from fastgrpo.data.countdown import countdown_splits, iter_solutions
+from fastgrpo.data.countdown import closest_miss, countdown_splits, iter_solutions
 from fastgrpo.data.files import load_source_rows
 from fastgrpo.data.templates import render_prompt
 
@@ -53,10 +56,14 @@ TRACES: dict[str, Callable[[list[str], str], str]] = {
 ``steps``: the intermediate results in order (``3+5=8 4*8=32``), then the equation."""
 
 
-def countdown_trace(row: dict[str, Any], style: str) -> str | None:
-    """The completion for a Countdown row in trace ``style``: the solver's first solution; None if none exists."""
+def countdown_trace(row: dict[str, Any], style: str, *, miss_rng: random.Random | None = None) -> str | None:
+    """The completion for a Countdown row in trace ``style``: the solver's first solution (None if there is none);
+    with ``miss_rng``, instead an honest attempt that misses the target by as little as any (None if none does)."""
     if style not in TRACES:
         raise ValueError(f"sft.trace: unknown trace style {style!r}; choices: {', '.join(TRACES)}")
+    if miss_rng is not None:
+        miss = closest_miss(row["nums"], row["target"], miss_rng)
+        return None if miss is None else TRACES[style](*miss)
     for steps, expr in iter_solutions(row["nums"], row["target"]):
         return TRACES[style](steps, expr)
     return None
@@ -128,15 +135,18 @@ def _with_eos(pairs: list[Pair], eos: str | None) -> list[Pair]:
     return pairs
 
 
-def _countdown_pairs(cfg: DataConfig, trace: str, tokenizer: Any) -> tuple[list[Pair], list[Pair], dict[str, Any]]:
+def _countdown_pairs(cfg: DataConfig, trace: str, near_miss: float,
+                     tokenizer: Any) -> tuple[list[Pair], list[Pair], dict[str, Any]]:
     train, eval_rows = countdown_splits(num_train=cfg.num_train, num_eval=cfg.num_eval, seed=cfg.seed,
                                         min_numbers=cfg.min_numbers, max_numbers=cfg.max_numbers,
                                         max_value=cfg.max_value)
+    rng = random.Random(f"near-miss-{cfg.seed}")
     out = []
-    for rows in (train, eval_rows):
+    for rows, miss_share in ((train, near_miss), (eval_rows, 0.0)):  # held-out pairs are solutions
         pairs = []
         for row in rows:
-            completion = countdown_trace(row, trace)
+            miss = rng.random() < miss_share
+            completion = countdown_trace(row, trace, miss_rng=rng if miss else None)
             if completion is None:  # the generator only makes reachable targets; the rational solver is wider
                 continue
             row = {**row, "task": "countdown"}
@@ -146,15 +156,18 @@ def _countdown_pairs(cfg: DataConfig, trace: str, tokenizer: Any) -> tuple[list[
     return out[0], out[1], {"task": "countdown", "skipped_invalid_rows": 0}
 
 
-def build_sft_datasets(cfg: DataConfig, *, trace: str, tokenizer: Any,
+def build_sft_datasets(cfg: DataConfig, *, trace: str, tokenizer: Any, near_miss: float = 0.0,
                        cache_dir: str | None = None) -> tuple[list[Pair], list[Pair], dict[str, Any]]:
     """(train pairs, held-out pairs, info); completions end with the tokenizer's EOS token.
+
+    Countdown: a ``near_miss`` share of the training completions are honest attempts that miss the target by as
+    little as any (:func:`countdown_trace`); held-out completions are always solutions.
 
     File and hub sources: held-out pairs come from ``data.eval_split`` when set, else ``data.num_eval`` rows are
     carved off by a seeded shuffle; held-out prompts are removed from training.
     """
     if cfg.source == "countdown":
-        train, held_out, info = _countdown_pairs(cfg, trace, tokenizer)
+        train, held_out, info = _countdown_pairs(cfg, trace, near_miss, tokenizer)
     else:
         raw = load_source_rows(cfg.source, split=cfg.split, cache_dir=cache_dir)
         if not raw:
