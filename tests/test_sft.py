@@ -112,3 +112,18 @@ def test_warm_model_is_built_once_by_its_recipe_and_keyed_by_its_hash(tmp_path, 
     assert warm.warm_folder("countdown", tmp_path) != path  # a changed recipe is another folder
     with pytest.raises(ValueError, match="tiny:countdown"):
         warm.recipe_config("nope")
+
+
+def test_the_demo_evaluates_on_problems_the_warm_models_sft_never_saw():
+    from pathlib import Path
+
+    from fastgrpo.data import build_datasets, problem_key
+    from fastgrpo.warm import recipe_config
+
+    demo = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    assert demo.model.name_or_path == "tiny:countdown"
+    sft_train, _, _ = build_datasets(recipe_config("countdown").data)  # the problems the SFT recipe trains on
+    grpo_train, held_out, _ = build_datasets(demo.data)
+    assert len(held_out) >= 64
+    held_out_keys = {problem_key(r) for r in held_out}
+    assert held_out_keys.isdisjoint(problem_key(r) for r in sft_train + grpo_train)

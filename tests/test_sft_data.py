@@ -26,7 +26,8 @@ def tiny_tokenizer(tmp_path_factory):
                                   dict(min_numbers=3, max_numbers=3, max_value=9)])
 def test_every_trace_is_a_solution_the_rewards_score_one(style, dist):
     rows = generate_problems(150, seed=f"trace-{random.random()}", **dist)
-    completions = [countdown_trace(r, style) for r in rows]
+    trace_rng = random.Random(0)
+    completions = [countdown_trace(r, style, trace_rng) for r in rows]
     assert all(c is not None for c in completions)  # the generator only makes problems with integer solutions
     nums, target = [r["nums"] for r in rows], [r["target"] for r in rows]
     assert countdown_reward(completions, nums=nums, target=target) == [1.0] * len(rows)

@@ -29,7 +29,7 @@ import random
 from typing import Any, Callable
 
 from fastgrpo.config import DataConfig
-from fastgrpo.data.countdown import closest_miss, countdown_splits, iter_solutions
+from fastgrpo.data.countdown import closest_miss, countdown_splits, iter_expressions, iter_solutions
 from fastgrpo.data.files import load_source_rows
 from fastgrpo.data.templates import render_prompt
 
@@ -40,33 +40,43 @@ Pair = dict[str, Any]
 # Countdown traces: a solution found by the exhaustive solver, written as a completion the rewards score 1.0
 
 
-def _answer_only(steps: list[str], expr: str) -> str:
+def _answer_only(row: dict[str, Any], steps: list[str], expr: str, rng: random.Random) -> str:
     return f"<think></think><answer>{expr}</answer>"
 
 
-def _steps(steps: list[str], expr: str) -> str:
+def _steps(row: dict[str, Any], steps: list[str], expr: str, rng: random.Random) -> str:
     return f"<think>{' '.join(steps)}</think><answer>{expr}</answer>"
 
 
-TRACES: dict[str, Callable[[list[str], str], str]] = {
+SEARCH_MAX_MISSES = 2
+"""``search`` traces show 0..SEARCH_MAX_MISSES failed attempts before the solution."""
+
+
+def _search(row: dict[str, Any], steps: list[str], expr: str, rng: random.Random) -> str:
+    misses = [s for s, _, value in iter_expressions(row["nums"]) if value != row["target"]]
+    tried = rng.sample(misses, min(len(misses), rng.randint(0, SEARCH_MAX_MISSES)))
+    return f"<think>{' '.join(step for attempt in tried + [steps] for step in attempt)}</think><answer>{expr}</answer>"
+
+
+TRACES: dict[str, Callable[[dict[str, Any], list[str], str, random.Random], str]] = {
     "answer": _answer_only,
     "steps": _steps,
+    "search": _search,
 }
-"""Trace style -> fn(steps, expression) -> completion. ``answer``: an empty think block, then the equation;
-``steps``: the intermediate results in order (``3+5=8 4*8=32``), then the equation."""
+"""Trace style -> fn(row, steps, expression, rng) -> completion, for one way (steps, expression) to compute an
+equation. ``answer``: an empty think block, then the equation; ``steps``: the intermediate results in order
+(``3+5=8 4*8=32``), then the equation; ``search``: first 0-2 random attempts that miss the target, each computed
+honestly to its end (``3*5=15 15+4=19``), then the solution's steps and its equation."""
 
 
-def countdown_trace(row: dict[str, Any], style: str, *, miss_rng: random.Random | None = None) -> str | None:
+def countdown_trace(row: dict[str, Any], style: str, rng: random.Random, *, miss: bool = False) -> str | None:
     """The completion for a Countdown row in trace ``style``: the solver's first solution (None if there is none);
-    with ``miss_rng``, instead an honest attempt that misses the target by as little as any (None if none does)."""
+    with ``miss``, instead an honest attempt that misses the target by as little as any (None if none does)."""
     if style not in TRACES:
         raise ValueError(f"sft.trace: unknown trace style {style!r}; choices: {', '.join(TRACES)}")
-    if miss_rng is not None:
-        miss = closest_miss(row["nums"], row["target"], miss_rng)
-        return None if miss is None else TRACES[style](*miss)
-    for steps, expr in iter_solutions(row["nums"], row["target"]):
-        return TRACES[style](steps, expr)
-    return None
+    found = closest_miss(row["nums"], row["target"], rng) if miss else \
+        next(iter_solutions(row["nums"], row["target"]), None)
+    return None if found is None else TRACES[style](row, *found, rng)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -140,13 +150,12 @@ def _countdown_pairs(cfg: DataConfig, trace: str, near_miss: float,
     train, eval_rows = countdown_splits(num_train=cfg.num_train, num_eval=cfg.num_eval, seed=cfg.seed,
                                         min_numbers=cfg.min_numbers, max_numbers=cfg.max_numbers,
                                         max_value=cfg.max_value)
-    rng = random.Random(f"near-miss-{cfg.seed}")
+    rng = random.Random(f"sft-traces-{cfg.seed}")
     out = []
     for rows, miss_share in ((train, near_miss), (eval_rows, 0.0)):  # held-out pairs are solutions
         pairs = []
         for row in rows:
-            miss = rng.random() < miss_share
-            completion = countdown_trace(row, trace, miss_rng=rng if miss else None)
+            completion = countdown_trace(row, trace, rng, miss=rng.random() < miss_share)
             if completion is None:  # the generator only makes reachable targets; the rational solver is wider
                 continue
             row = {**row, "task": "countdown"}
