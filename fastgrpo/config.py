@@ -108,7 +108,8 @@ class DataConfig:
     reward functions as a keyword argument. Data without it is read by a preset: countdown {nums, target}, gsm8k
     {question, answer}, math {problem, solution}."""
     template: str = field(default="chat", metadata=registry("fastgrpo.data.templates:TEMPLATES"))
-    """Prompt template: 'chat' (the seeds' chat prompt) or 'base' (plain text ending in '<think>')."""
+    """Prompt template: 'chat' (the seeds' chat prompt), 'base' (plain text ending in '<think>') or 'compact' (the
+    bare problem, e.g. '3 5 4 -> 32': for the byte-level tiny models)."""
     system_prompt: str = SEEDS_SYSTEM_PROMPT
     """System message for the chat template."""
     num_train: int = 10000
@@ -363,6 +364,8 @@ class EvalConfig:
     """Samples per prompt for best-of-n accuracy (1 = greedy only)."""
     temperature: float = 1.0
     """Sampling temperature for best-of-n."""
+    at_start: bool = False
+    """Also evaluate before the first step (logged as step 0), so that a run shows where it started."""
 
     def validate(self, p: str) -> None:
         _check(self.every >= -1, f"{p}.every", "must be >= -1")
@@ -414,40 +417,42 @@ class TrainConfig:
         return Path(self.output_dir) / self.name
 
     def validate(self) -> "TrainConfig":
-        _check_finite(self, "")
-        # The run folder is output_dir/name and nothing else: a name with a separator or '..' would write (and
-        # delete old checkpoints) outside output_dir.
-        _check(bool(self.name) and self.name not in (".", "..") and not any(c in self.name for c in "/\\\0"),
-               "name", f"must be a plain folder name (no '/', '\\', '..'), got {self.name!r}")
-        _check(self.max_steps >= 1, "max_steps", "must be >= 1")
-        if self.device == "cuda":
-            import torch  # deferred: the config module loads without torch for --help-config
-
-            _check(torch.cuda.is_available(), "device",
-                   "is 'cuda' but no CUDA device is available (torch.cuda.is_available() is False); use auto or cpu")
-        for f in dataclasses.fields(self):
-            sub = getattr(self, f.name)
-            if dataclasses.is_dataclass(sub):
-                _check_choice_fields(sub, f"{f.name}.")
-                sub.validate(f.name)
-        _check_choice_fields(self, "")
-        self._check_head_backend()
-        return self
-
-    def _check_head_backend(self) -> None:
-        """The kernel path must run on the run's device (Triton paths need CUDA or the interpreter)."""
-        import torch  # deferred: the config module loads without torch
-
-        from fastgrpo.kernels import resolve_backend
-
-        device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            resolve_backend(self.grpo.head_backend, device, needs_grad=True)
-        except ValueError as e:
-            _fail("grpo.head_backend", f"{e}; use auto or torch on CPU")
+        check_run_config(self, head_backend_field="grpo.head_backend")
         _check(not (self.grpo.head_backend == "cublas" and self.grpo.importance_sampling_level == "sequence"),
                "grpo.head_backend", "'cublas' forms each token's gradient before its sequence is complete, so it "
                "has no sequence-level importance sampling; use auto (triton on CUDA) or triton")
+        return self
+
+
+def check_run_config(cfg: Any, *, head_backend_field: str) -> Any:
+    """Validate a run config (TrainConfig, SFTConfig): its own fields, then every section's choices and checks,
+    then that the kernel path ``head_backend_field`` runs on the run's device. Returns ``cfg``."""
+    import torch  # deferred: the config module loads without torch for --help-config
+
+    _check_finite(cfg, "")
+    # The run folder is output_dir/name and nothing else: a name with a separator or '..' would write (and
+    # delete old checkpoints) outside output_dir.
+    _check(bool(cfg.name) and cfg.name not in (".", "..") and not any(c in cfg.name for c in "/\\\0"),
+           "name", f"must be a plain folder name (no '/', '\\', '..'), got {cfg.name!r}")
+    _check(cfg.max_steps >= 1, "max_steps", "must be >= 1")
+    if cfg.device == "cuda":
+        _check(torch.cuda.is_available(), "device",
+               "is 'cuda' but no CUDA device is available (torch.cuda.is_available() is False); use auto or cpu")
+    for f in dataclasses.fields(cfg):
+        sub = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(sub):
+            _check_choice_fields(sub, f"{f.name}.")
+            sub.validate(f.name)
+    _check_choice_fields(cfg, "")
+    from fastgrpo.kernels import resolve_backend
+
+    section, _, name = head_backend_field.partition(".")
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:  # Triton paths need CUDA or the interpreter
+        resolve_backend(getattr(getattr(cfg, section), name), device, needs_grad=True)
+    except ValueError as e:
+        _fail(head_backend_field, f"{e}; use auto or torch on CPU")
+    return cfg
 
 
 def _check_finite(node: Any, path: str) -> None:
@@ -536,7 +541,7 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
-def _build(cls: type, data: dict, path: str) -> Any:
+def _build(cls: type, data: dict, path: str, root: type) -> Any:
     if not isinstance(data, dict):
         _fail(path or "config", f"expected a mapping, got {data!r}")
     types = _field_types(cls)
@@ -545,11 +550,11 @@ def _build(cls: type, data: dict, path: str) -> Any:
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in names:
-            candidates = [f"{path}.{n}" if path else n for n in names] + _all_keys(TrainConfig)
+            candidates = [f"{path}.{n}" if path else n for n in names] + _all_keys(root)
             raise ConfigError(f"unknown config key {full!r}{_closest(full, candidates)}")
         tp = types[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value or {}, full)
+            kwargs[key] = _build(tp, value or {}, full, root)
         else:
             kwargs[key] = _coerce(value, tp, full)
     return cls(**kwargs)
@@ -565,8 +570,10 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Read a YAML file (optional), apply ``key=value`` overrides, build and validate a TrainConfig."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                cls: type = TrainConfig) -> Any:
+    """Read a YAML file (optional), apply ``key=value`` overrides, build and validate a ``cls`` (TrainConfig;
+    ``fastgrpo.sft.SFTConfig`` for SFT)."""
     tree: dict = {}
     if path is not None:
         p = Path(path)
@@ -587,15 +594,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         except yaml.YAMLError:
             raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
         _set_dotted(tree, key.strip(), value)
-    return _build(TrainConfig, tree, "").validate()
+    return _build(cls, tree, "", cls).validate()
 
 
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def describe() -> str:
-    """Every key with its default and docstring (for --help-config)."""
+def describe(cls: type = TrainConfig) -> str:
+    """Every key of the run config ``cls`` with its default and docstring (for --help-config)."""
     import ast
     import inspect
 
@@ -620,5 +627,5 @@ def describe() -> str:
                     line += f"\n    choices: {', '.join(map(str, names))}"
                 lines.append(line)
 
-    walk(TrainConfig, "")
+    walk(cls, "")
     return "\n".join(lines)

@@ -64,12 +64,23 @@ def _dr_grpo(lengths: torch.Tensor, c: GlobalCounts) -> torch.Tensor:
                       device=lengths.device)
 
 
-def token_weights(loss_type: str, lengths: torch.Tensor, counts: GlobalCounts) -> torch.Tensor:
-    """Per-token weights [N] in the flat layout, for this rank's sequences of completion ``lengths`` [S_local]."""
+SFT_NORMALIZATIONS: dict[str, Callable[[torch.Tensor, GlobalCounts], torch.Tensor]] = {
+    "token": _dapo,
+    "sequence": _grpo,
+}
+"""SFT loss normalisation (sft.normalization) -> per-sequence weight, as LOSS_TYPES: 'token' = 1 / sum_i L_i (every
+completion token of the global batch weighs the same), 'sequence' = 1 / (S * L_i) (each sequence's mean, then the
+mean over sequences). The SFT loss is sum_t w_t * -log p(y_t) with these weights."""
+
+
+def token_weights(loss_type: str, lengths: torch.Tensor, counts: GlobalCounts,
+                  registry: dict[str, Callable] = LOSS_TYPES) -> torch.Tensor:
+    """Per-token weights [N] in the flat layout, for this rank's sequences of completion ``lengths`` [S_local].
+    ``registry``: LOSS_TYPES (GRPO) or SFT_NORMALIZATIONS."""
     try:
-        fn = LOSS_TYPES[loss_type]
+        fn = registry[loss_type]
     except KeyError:
-        raise ValueError(f"grpo.loss_type: unknown {loss_type!r}; known: {sorted(LOSS_TYPES)}") from None
+        raise ValueError(f"unknown loss normalisation {loss_type!r}; known: {sorted(registry)}") from None
     per_seq = fn(lengths, counts)  # [S_local]
     return torch.repeat_interleave(per_seq, lengths)  # [N]
 

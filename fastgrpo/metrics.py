@@ -260,21 +260,22 @@ class WandbSink:
 
 
 class ProgressBar:
-    """tqdm bar: step, reward, completion length, tokens/s and ETA."""
+    """tqdm bar: step, ETA and those of reward (GRPO), loss (SFT), completion length, tokens/s the record has."""
 
-    def __init__(self, total: int, initial: int, enabled: bool) -> None:
+    FIELDS = (("reward", "reward/mean", "{:.3f}"), ("loss", "sft/nll", "{:.3f}"), ("len", "completion/len_mean", "{:.0f}"),
+              ("tok/s", "perf/tokens_per_s", "{:.0f}"))
+
+    def __init__(self, total: int, initial: int, enabled: bool, desc: str = "grpo") -> None:
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=total, initial=initial, disable=not enabled, desc="grpo", unit="step",
+        self._bar = tqdm(total=total, initial=initial, disable=not enabled, desc=desc, unit="step",
                          dynamic_ncols=True)
 
-    def update(self, record: dict) -> None:
-        self._bar.set_postfix({
-            "reward": f"{record.get('reward/mean', float('nan')):.3f}",
-            "len": f"{record.get('completion/len_mean', float('nan')):.0f}",
-            "tok/s": f"{record.get('perf/tokens_per_s', float('nan')):.0f}",
-        }, refresh=False)
-        self._bar.update(1)
+    def update(self, record: dict, advance: bool = True) -> None:
+        self._bar.set_postfix({name: fmt.format(record[key]) for name, key, fmt in self.FIELDS if key in record},
+                              refresh=not advance)
+        if advance:
+            self._bar.update(1)
 
     def write(self, msg: str) -> None:
         self._bar.write(msg)
@@ -295,7 +296,7 @@ class RunLog:
     """
 
     def __init__(self, run_dir: Path, *, report_to: list[str], name: str, project: str, config: dict,
-                 step: int, max_steps: int, enabled: bool, progress: bool) -> None:
+                 step: int, max_steps: int, enabled: bool, progress: bool, desc: str = "grpo") -> None:
         self.sinks: list = []
         self.completions = None
         if enabled:
@@ -305,15 +306,16 @@ class RunLog:
             (run_dir / "config.json").write_text(json.dumps(config, indent=2))
             self.sinks = [SINKS[s].for_run(run_dir, name=name, project=project, config=config) for s in report_to]
             self.completions = JsonlSink(run_dir / "completions.jsonl")
-        self.bar = ProgressBar(max_steps, step, enabled=enabled and progress)
+        self.bar = ProgressBar(max_steps, step, enabled=enabled and progress, desc=desc)
 
-    def write(self, record: dict, completions: list[dict]) -> None:
+    def write(self, record: dict, completions: list[dict], advance: bool = True) -> None:
+        """Log one record; ``advance=False`` for one that is no step (an evaluation before the first)."""
         for s in self.sinks:
             s.write(record)
         if self.completions is not None:
             for row in completions:
                 self.completions.write(row)
-        self.bar.update(record)
+        self.bar.update(record, advance=advance)
 
     def close(self) -> None:
         self.bar.close()

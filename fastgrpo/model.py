@@ -159,13 +159,18 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str) -
 
 
 def resolve_model_path(cfg: ModelConfig, *, seed: int = 0) -> str:
-    """'tiny[:preset]' -> the locally built folder (built on first use, ``seed`` picks its weights); a path
-    (leading /, ./, ../, ~ or more than one '/') must be an existing folder; anything else is a hub id."""
+    """'tiny[:preset]' -> the locally built folder (built on first use, ``seed`` picks its weights); 'tiny:<warm>'
+    (e.g. 'tiny:countdown') -> the warm-started model of that SFT recipe (:mod:`fastgrpo.warm`: built on first use,
+    independent of ``seed``); a path (leading /, ./, ../, ~ or more than one '/') must be an existing folder;
+    anything else is a hub id."""
     name = cfg.name_or_path
     if name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":"):
         from fastgrpo.tiny import build_tiny
+        from fastgrpo.warm import WARM_RECIPES, build_warm
 
         preset = name.partition(":")[2] or "default"
+        if preset in WARM_RECIPES:
+            return str(build_warm(preset))
         return str(build_tiny(seed=seed, preset=preset))
     if _looks_like_local_path(name):
         path = Path(name).expanduser()

@@ -22,6 +22,9 @@ Presets (registry ``PRESETS``):
 - ``default``: Qwen2 (``Qwen2ForCausalLM``), tied embeddings like Qwen2.5-0.5B..3B, q/k/v biases, GQA.
 - ``llama``: Llama (``LlamaForCausalLM``), untied lm_head, no biases: a second architecture for tests that
   must not depend on Qwen2 specifics (packing, trunk/head split with a separate head).
+- ``small``: the Qwen2 layout, wider and deeper (hidden 128, 4 layers, ~1M parameters): the random base of the
+  warm-started Countdown model (``tiny:countdown``, :mod:`fastgrpo.warm`), still trained in about two minutes
+  on two CPU cores.
 
 head_dim is 32 in both: vLLM's CPU attention backend rejects head sizes below 32.
 """
@@ -154,10 +157,15 @@ def _tokenizer_config(tok) -> dict[str, Any]:
     }
 
 
-def _qwen2_config(vocab_size: int) -> dict[str, Any]:
+# hidden 128 = 4 heads x head_dim 32; MLP 4x.
+_SMALL_SHAPE = {**_SHAPE, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
+                "num_attention_heads": 4}
+
+
+def _qwen2_config(vocab_size: int, shape: dict[str, Any] = _SHAPE) -> dict[str, Any]:
     return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True,
-            "use_sliding_window": False, "sliding_window": None, "max_window_layers": _SHAPE["num_hidden_layers"],
-            "attention_dropout": 0.0, "vocab_size": vocab_size, **_SHAPE}
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": shape["num_hidden_layers"],
+            "attention_dropout": 0.0, "vocab_size": vocab_size, **shape}
 
 
 def _llama_config(vocab_size: int) -> dict[str, Any]:
@@ -169,6 +177,7 @@ def _llama_config(vocab_size: int) -> dict[str, Any]:
 PRESETS: dict[str, Callable[[int], dict[str, Any]]] = {
     "default": _qwen2_config,
     "llama": _llama_config,
+    "small": lambda vocab_size: _qwen2_config(vocab_size, _SMALL_SHAPE),
 }
 """preset name -> fn(vocab_size) -> config.json fields of the architecture (special token ids added later)."""
 

@@ -8,68 +8,37 @@ A "step" is one rollout batch. With ``grpo.num_iterations = mu > 1`` the batch i
 
 from __future__ import annotations
 
-import math
-import os
-import signal
-import threading
-
 import torch
 
-from fastgrpo import checkpoint as ckpt
-from fastgrpo.advantages import self_imitation_mask
 from fastgrpo import distributed as fdist
-from fastgrpo import preflight
-from fastgrpo.config import TrainConfig, to_dict
+from fastgrpo.advantages import self_imitation_mask
+from fastgrpo.config import TrainConfig
 from fastgrpo.data import build_datasets, render_prompt
 from fastgrpo.data.sampler import PromptSampler
 from fastgrpo.episodes import Episodes, collect_episodes, record_metrics
 from fastgrpo.evaluate import evaluate
-from fastgrpo.guard import NonFiniteGuard
-from fastgrpo.metrics import RunLog, StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
-from fastgrpo.model import check_plain_head, load_model, load_tokenizer, resolve_model_path
-from fastgrpo.parallelize import parallelize_model, uses_fsdp
+from fastgrpo.loop import TrainingLoop, build_scheduler  # noqa: F401 (build_scheduler: public here too)
+from fastgrpo.metrics import StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
+from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
+from fastgrpo.parallelize import parallelize_model
 from fastgrpo.rewards import RewardRunner, check_reward_columns
 from fastgrpo.rollout import EngineSetup, RolloutEngine, SamplingParams, build_engine
 from fastgrpo.sampling import dynamic_sample
 from fastgrpo.update import GRPOBatch, grpo_update
 
-# Test hook: SIGKILL this process in the middle of the given step (after its rollout, before its update), so the
-# kill-and-resume test is deterministic.
-_FAULT_ENV = "FASTGRPO_FAULT_KILL_AT_STEP"
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, schedule: str,
-                    min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up, then constant or cosine decay to min_lr_ratio * lr at total_steps."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-class Trainer:
+class Trainer(TrainingLoop):
     """Composes the components from a TrainConfig and runs the loop. ``run()`` returns the last metrics.
 
     ``engine``: a rollout engine to use instead of building ``rollout.engine`` (tests inject scripted ones).
+    Preflight checks, resume, checkpoints and the step loop are :class:`fastgrpo.loop.TrainingLoop`'s.
     """
 
-    def __init__(self, cfg: TrainConfig, engine: RolloutEngine | None = None) -> None:
-        self.cfg = cfg
-        self.device = fdist.init_distributed(cfg.device).device  # idempotent; train.py initialises it first
-        self.rank, self.world_size = fdist.get_rank(), fdist.get_world_size()
-        self.run_dir = cfg.run_dir
-        self.is_main = self.rank == 0
-        torch.manual_seed(cfg.seed)
+    progress_name = "grpo"
 
-        # Cheap checks first: the launch, the run folder, data and rewards fail before any model loads.
-        preflight.check_launch(cfg, self.world_size)
-        preflight.check_run_dir(cfg)
+    def __init__(self, cfg: TrainConfig, engine: RolloutEngine | None = None) -> None:
+        self._init_run(cfg)  # the launch and the run folder are checked there
+
+        # Cheap checks first: data and rewards fail before any model loads.
         # its workers import the rewards while data loads; rewards.kwargs are bound (and checked) here
         self.rewards = RewardRunner.from_config(cfg.rewards, max_completion_length=cfg.rollout.max_completion_length)
         try:
@@ -84,30 +53,13 @@ class Trainer:
                                      world_size=self.world_size)
 
         self.tokenizer = load_tokenizer(cfg.model, seed=cfg.seed)
-        # Under FSDP on CUDA, 'auto' loads float32 master weights and FSDP computes in parallel.param_dtype: AdamW
-        # updates of lr ~ 1e-6 vanish in bfloat16 weights (8 bits of mantissa).
-        master_dtype = None
-        if cfg.model.dtype == "auto" and self.device.type == "cuda" and \
-                uses_fsdp(cfg.parallel, self.device, self.world_size):
-            master_dtype = torch.float32
-        model = load_model(cfg.model, device=self.device, dtype=master_dtype, seed=cfg.seed)
-        check_plain_head(model)  # logits must be hidden @ lm_head.weight.T, checked before any rollout
-        self.model = parallelize_model(model, cfg.parallel, device=self.device, world_size=self.world_size)
+        self._init_model(total_updates=cfg.max_steps * cfg.grpo.num_iterations)
         self.ref_model = None
         if cfg.grpo.beta > 0:  # the frozen reference, sharded the same way, forward only
             ref = load_model(cfg.model, device=self.device, seed=cfg.seed).eval().requires_grad_(False)
             self.ref_model = parallelize_model(ref, cfg.parallel, device=self.device, world_size=self.world_size)
 
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
-                                           weight_decay=o.weight_decay)
-        self.total_updates = cfg.max_steps * cfg.grpo.num_iterations
-        self.scheduler = build_scheduler(self.optimizer, warmup_steps=o.warmup_steps, total_steps=self.total_updates,
-                                         schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
-        self.step = 0
-        self.guard = NonFiniteGuard(o.max_nonfinite_steps)
         self.peak_flops = device_peak_flops(self.device)
-        self._resume()
 
         self.prompt_cache: dict[int, tuple[str, list[int]]] = {}
         if engine is None:
@@ -117,31 +69,6 @@ class Trainer:
                 prompt_token_bound=self.prompt_token_bound))
         self.engine = engine
         self.engine.sync_from(self.model)  # the policy may differ from the files the engine loaded (resume)
-
-    # ------------------------------------------------------------------------------------------------ setup
-
-    def _resume(self) -> None:
-        path = ckpt.resolve_resume(self.cfg.checkpoint.resume, self.run_dir / "checkpoints")
-        if path is None:
-            return
-        state = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
-        self.scheduler.load_state_dict(state["scheduler"])
-        sampler_state = dict(state["sampler"])
-        if sampler_state["world_size"] != self.world_size:
-            # Resharded resume: keep the epoch and the share of it already consumed (prompts seen globally), so
-            # the data position is kept up to the rounding of one step.
-            seen = sampler_state["offset"] * sampler_state["world_size"]
-            sampler_state.update(world_size=self.world_size, rank=self.rank,
-                                 offset=min(seen // self.world_size, self.sampler.per_rank))
-        self.sampler.load_state_dict(sampler_state)
-        self.step = int(state["step"])
-        if self.is_main:
-            print(f"[fastgrpo] resumed from {path} at step {self.step}", flush=True)
-
-    def _save(self) -> None:
-        state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict()}
-        ckpt.save_checkpoint(self.run_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
-                             trainer_state=state, keep_last=self.cfg.checkpoint.keep_last)
 
     # ------------------------------------------------------------------------------------------------ phases
 
@@ -227,63 +154,6 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ loop
 
-    def run(self) -> dict[str, float]:
-        cfg = self.cfg
-        if self.step >= cfg.max_steps:
-            if cfg.checkpoint.export_hf and not (self.run_dir / "final").is_dir():
-                # killed after its last checkpoint, before (or while) writing the export: write it now
-                if self.is_main:
-                    print(f"[fastgrpo] {self.run_dir} is at step {self.step} but has no final/ export: writing it",
-                          flush=True)
-                ckpt.export_hf(self.run_dir / "final", model=self.model, tokenizer=self.tokenizer)
-            elif self.is_main:
-                print(f"[fastgrpo] {self.run_dir} is already at step {self.step} >= max_steps={cfg.max_steps}; "
-                      "nothing to do (raise max_steps to train further)", flush=True)
-            return {}
-        if self.is_main and cfg.checkpoint.resume == "never" and cfg.checkpoint.overwrite and \
-                preflight.holds_run(self.run_dir):
-            preflight.clear_run(self.run_dir)
-        log = RunLog(self.run_dir, report_to=cfg.log.report_to, name=cfg.name, project=cfg.log.wandb_project,
-                     config=to_dict(cfg), step=self.step, max_steps=cfg.max_steps, enabled=self.is_main,
-                     progress=cfg.log.progress)
-        record: dict[str, float] = {}
-        self._sigterm = False
-        previous = None
-        if threading.current_thread() is threading.main_thread():
-            # Preemption (SIGTERM from a scheduler, or torchrun relaying one): finish the step, save, exit 0.
-            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        try:
-            while self.step < cfg.max_steps:
-                step_record, ep = self.train_step()
-                if step_record is None:  # SIGTERM cut a rank's reward calls short: the step was dropped
-                    self._save()
-                    if self.is_main:
-                        log.bar.write(f"[fastgrpo] SIGTERM while scoring step {self.step + 1}: dropped that step "
-                                      f"and saved step {self.step} to {self.run_dir / 'checkpoints'}; run the same "
-                                      "command again to resume")
-                    return record
-                record = step_record
-                stop = self._stop_requested()
-                if not stop and self._due(cfg.eval.every):  # preempted: save first (the reward pool is stopped)
-                    record.update(self.evaluate())
-                log.write(record, self._sample_completions(ep) if self.is_main else [])
-                if stop:
-                    self._save()
-                    if self.is_main:
-                        log.bar.write(f"[fastgrpo] SIGTERM: saved step {self.step} to "
-                                      f"{self.run_dir / 'checkpoints'}; run the same command again to resume")
-                    return record
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.max_steps:
-                    self._save()
-            self._save()
-            if cfg.checkpoint.export_hf:
-                ckpt.export_hf(self.run_dir / "final", model=self.model, tokenizer=self.tokenizer)
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-            log.close()
-        return record
-
     def train_step(self) -> tuple[dict[str, float] | None, Episodes]:
         """One step: rollout -> policy update -> weight sync. Returns the step's record (metrics reduced over ranks,
         timings, throughput) and its episodes; the record is None when SIGTERM cut the reward calls short on some
@@ -292,8 +162,7 @@ class Trainer:
         data_position = self.sampler.state_dict()
         with Timer() as t_roll:
             ep = self.rollout(metrics)
-        if self.step + 1 == int(os.environ.get(_FAULT_ENV, "-1")):
-            os.kill(os.getpid(), signal.SIGKILL)
+        self._fault_point()
         if fdist.all_reduce_int(int(ep.interrupted), "max", device=self.device):
             self.sampler.load_state_dict(data_position)
             return None, ep
@@ -320,12 +189,8 @@ class Trainer:
 
     def _on_sigterm(self, *_) -> None:
         """Preemption: stop after this step; reward calls in flight are abandoned at once (their step is dropped)."""
-        self._sigterm = True
+        super()._on_sigterm()
         self.rewards.interrupt()
-
-    def _stop_requested(self) -> bool:
-        """Whether any rank got SIGTERM (all ranks must agree, or the others would wait in a collective)."""
-        return fdist.all_reduce_int(int(self._sigterm), "max", device=self.device) > 0
 
     def close(self) -> None:
         """Release the reward workers and the rollout engine. vLLM's teardown also ends torch.distributed's group:
@@ -335,10 +200,8 @@ class Trainer:
         if close is not None:
             close()
 
-    def _due(self, every: int) -> bool:
-        if every < 0 or not self.eval_rows:
-            return False
-        return self.step == self.cfg.max_steps or (every > 0 and self.step % every == 0)
+    def has_eval_data(self) -> bool:
+        return bool(self.eval_rows)
 
     def evaluate(self) -> dict[str, float]:
         e = self.cfg.eval
@@ -360,7 +223,7 @@ class Trainer:
         vals = fdist.all_reduce_(torch.tensor([res[k] for k in names], device=self.device), "avg")
         return {f"eval/{k}": float(v) for k, v in zip(names, vals.tolist())}
 
-    def _sample_completions(self, ep: Episodes) -> list[dict]:
+    def log_rows(self, ep: Episodes) -> list[dict]:
         """``log.completions_per_step`` completions spread over the batch, for completions.jsonl."""
         k = min(self.cfg.log.completions_per_step, ep.num_sequences)
         stride = max(1, ep.num_sequences // max(k, 1))

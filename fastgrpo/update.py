@@ -9,6 +9,8 @@ contiguous), n target tokens of one micro-batch, H hidden size, V vocabulary siz
                        optimizer step; any token loss whose gradient sums over micro-batches (GRPO, SFT, ...)
     grpo_update        token weights, advantages, old / ref log-probs, importance weights, then num_iterations
                        optimizer_update calls with the fused GRPO loss
+    sft_weights        SFT token weights [N] over the global batch (sft.normalization)
+    sft_update         one optimizer_update with the SFT loss sum_t w_t * -log p(y_t) (fastgrpo.sft)
 
 The trainer, the golden test and the FSDP test all call these functions, so "1 process equals 2 ranks" and the
 golden figures are checked on the code that trains.
@@ -27,12 +29,12 @@ from fastgrpo import distributed as fdist
 from fastgrpo.config import GRPOConfig, RolloutConfig
 from fastgrpo.guard import NonFiniteGuard
 from fastgrpo.kernels import linear_grpo_loss, linear_logprobs, resolve_backend
-from fastgrpo.losses import GlobalCounts, token_weights, truncated_importance_weights
+from fastgrpo.losses import SFT_NORMALIZATIONS, GlobalCounts, token_weights, truncated_importance_weights
 from fastgrpo.metrics import StepMetrics
 from fastgrpo.packing import MicroBatch, pack, plan_microbatches, split_to_count
 
 __all__ = ["GRPOBatch", "HeadLoss", "entropy_mask", "grpo_update", "optimizer_update", "packed_logprobs",
-           "plan_packed", "sequence_numbers"]
+           "plan_packed", "sequence_numbers", "sft_update", "sft_weights"]
 
 HeadLoss = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``head_loss(mb, hidden [n, H], lm_head_weight [V, H]) -> (loss, stats)``: loss a scalar whose gradients add up
@@ -218,4 +220,34 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
         metrics.moments((~keep).float(), "policy/masked_seq_frac")
     if batch.sil_mask is not None:
         metrics.moments(batch.sil_mask.float(), "policy/sil_frac")
+    return mbs
+
+
+def sft_weights(completion_ids: list[list[int]], normalization: str, *, device: torch.device | str) -> torch.Tensor:
+    """Per-token weights [N] of the SFT loss for this rank's completions, normalised over the global batch."""
+    lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.long)  # [S]
+    counts = GlobalCounts(num_sequences=fdist.all_reduce_int(len(lengths), "sum", device=device),
+                          num_tokens=fdist.all_reduce_int(int(lengths.sum()), "sum", device=device),
+                          max_completion_length=int(lengths.max()))
+    return token_weights(normalization, lengths, counts, SFT_NORMALIZATIONS).to(device)  # [N]
+
+
+def sft_update(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
+               normalization: str, max_tokens_per_microbatch: int, head_backend: str,
+               optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+               max_grad_norm: float, metrics: StepMetrics, device: torch.device | str,
+               pad_token_id: int = 0, guard: NonFiniteGuard | None = None) -> list[MicroBatch]:
+    """One optimizer update of supervised fine-tuning on this rank's (prompt, completion) pairs; returns the
+    micro-batches it ran. The loss is ``sum_t w_t * -log p(y_t)`` over completion tokens only, the weights from
+    :func:`sft_weights`; the log-probs come from the fused head (``-linear_logprobs``: no [N, V] tensor)."""
+    weights = sft_weights(completion_ids, normalization, device=device)  # [N]
+    mbs = plan_packed(prompt_ids, completion_ids, max_tokens_per_microbatch, device=device, pad_token_id=pad_token_id)
+    backend = resolve_backend(head_backend, device, needs_grad=True)
+
+    def head_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor):  # hidden [n, H], weight [V, H]
+        nll = -linear_logprobs(hidden, weight, mb.targets, backend=backend)  # [n]
+        return (weights[mb.flat_index] * nll).sum(), {"sft/nll": nll.detach().mean()}
+
+    model.train()
+XX, torch.tensor(float(sum(mb.num_tokens for mb in mbs))))
     return mbs

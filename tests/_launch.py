@@ -46,3 +46,24 @@ def run_ranks(argv: list[str], *, what: str, timeout: float, world_size: int = 2
     if any(p.returncode for p in procs):
         pytest.fail(f"{what} failed:\n" + "\n----\n".join(logs)[-6000:])
     return logs
+
+
+def run_cli(module: str, args: list[str], env_extra: dict | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m module args...`` (an entry point: fastgrpo.train, fastgrpo.sft) with captured output."""
+    import sys
+
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def assert_same_weights(folder_a: Path, folder_b: Path) -> None:
+    """Two Hugging Face exports hold bit-identical tensors under the same names."""
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = load_file(folder_a / "model.safetensors"), load_file(folder_b / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

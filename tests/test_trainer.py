@@ -1,7 +1,6 @@
 """End-to-end trainer tests on the embedded tiny model (CPU)."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -9,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from _launch import assert_same_weights, run_cli
 from fastgrpo.config import load_config
 from fastgrpo.trainer import Trainer
 
@@ -60,9 +59,7 @@ def test_flipped_reward_sign_unlearns(tmp_path):
 
 
 def _cli(args: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "fastgrpo.train", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return run_cli("fastgrpo.train", args, env_extra)
 
 
 def test_sigkill_mid_step_then_resume_matches_uninterrupted_run(tmp_path):
@@ -81,11 +78,7 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted_run(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
 
-    a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
-    b = load_file(tmp_path / "killed" / "final" / "model.safetensors")
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_same_weights(tmp_path / "straight" / "final", tmp_path / "killed" / "final")
     steps = [json.loads(x)["step"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]  # step 3 was redone, and logged once
 

@@ -14,9 +14,10 @@ solver searches over all rational intermediates, a superset of what the generato
 
 from __future__ import annotations
 
+import itertools
 import random
 from fractions import Fraction
-from typing import Any, Hashable, Iterable
+from typing import Any, Hashable, Iterable, Iterator
 
 MAX_TARGET = 100
 """Generated targets lie in 1..MAX_TARGET (like Countdown-Tasks-3to4's)."""
@@ -141,3 +142,49 @@ def solve(nums: Iterable[int], target: int) -> str | None:
     if expr is not None and expr.startswith("(") and expr.endswith(")"):
         expr = expr[1:-1]  # the outermost pair always wraps the whole expression (one binary op)
     return expr
+
+
+def iter_expressions(nums: Iterable[int]) -> Iterator[tuple[list[str], str, int]]:
+    """Every way to combine all of ``nums`` under Countdown's rules, as (steps, expression, value), in a fixed order.
+
+    Rules as the generator's: combine two values at a time with ``+ - * /`` keeping every intermediate a positive
+    integer. ``steps`` are the intermediate results in the order they are made (``"8*4=32"``); ``expression`` is
+    the same computation in one line without spaces (``"(3+5)*4"``), which the ``countdown`` reward parses. The
+    order is deterministic (pairs in index order, then + * - /).
+    """
+
+    def search(items: list[tuple[int, str]], steps: list[str]) -> Iterator[tuple[list[str], str, int]]:
+        if len(items) == 1:
+            value, expr = items[0]
+            yield list(steps), expr[1:-1] if expr.startswith("(") and expr.endswith(")") else expr, value
+            return
+        for i, j in itertools.permutations(range(len(items)), 2):
+            (a, ea), (b, eb) = items[i], items[j]
+            rest = [items[k] for k in range(len(items)) if k != i and k != j]
+            ops = [("+", a + b), ("*", a * b)] if i < j else []  # commutative: one order only
+            if a > b:
+                ops.append(("-", a - b))
+            if b > 1 and a % b == 0:
+                ops.append(("/", a // b))
+            for op, value in ops:
+                yield from search(rest + [(value, f"({ea}{op}{eb})")], steps + [f"{a}{op}{b}={value}"])
+
+    yield from search([(int(n), str(int(n))) for n in nums], [])
+
+
+def iter_solutions(nums: Iterable[int], target: int) -> Iterator[tuple[list[str], str]]:
+    """The expressions of :func:`iter_expressions` that equal ``target``, as (steps, expression)."""
+    for steps, expr, value in iter_expressions(nums):
+        if value == target:
+            yield steps, expr
+
+
+def closest_miss(nums: Iterable[int], target: int, rng: random.Random) -> tuple[list[str], str] | None:
+    """An expression of :func:`iter_expressions` whose value is as close to ``target`` as any that misses it
+    (ties broken by ``rng``), as (steps, expression); None when every expression hits the target."""
+    misses = [(abs(value - target), steps, expr) for steps, expr, value in iter_expressions(nums) if value != target]
+    if not misses:
+        return None
+    best = min(d for d, _, _ in misses)
+    _, steps, expr = rng.choice([m for m in misses if m[0] == best])
+    return steps, expr

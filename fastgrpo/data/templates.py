@@ -7,9 +7,13 @@ Two templates (DataConfig.template):
 - ``base``: plain text for base models (TinyZero style): a short framing, the user message, and an
   assistant turn that has already opened ``<think>``. The ``format`` reward sees that the prompt ends in
   ``<think>`` and treats the completion as starting inside the thinking block. The system prompt is not used.
+- ``compact``: the task's compact statement alone (Countdown: ``3 5 4 -> 32`` and a newline), no instructions
+  and no chat turn: for the embedded tiny models, whose tokens are bytes, so every prompt byte costs compute,
+  and which learn the answer format from SFT rather than from instructions.
 
-Each task contributes one function row -> user message (USER_MESSAGES); each template one function
-(TEMPLATES). Adding a task or template is one entry, not a branch.
+Each task contributes one function row -> user message (USER_MESSAGES) and may contribute a compact statement
+(COMPACT_MESSAGES, the whole prompt of the ``compact`` template); each template is one function (TEMPLATES).
+Adding a task or template is one entry, not a branch.
 
 Rows of any dataset (task ``prompt``) carry their prompt in a column (``prompt_column``): a string is the user
 message, as above; a list of chat messages is rendered by the chat template exactly as given (no system prompt
@@ -35,6 +39,10 @@ def countdown_user_message(row: dict[str, Any]) -> str:
         "then write only the final equation inside <answer> </answer> tags, for example "
         "<answer> (7 - 3) * 2 </answer>."
     )
+
+
+def countdown_compact(row: dict[str, Any]) -> str:
+    return f"{' '.join(str(n) for n in row['nums'])} -> {row['target']}\n"
 
 
 def gsm8k_user_message(row: dict[str, Any]) -> str:
@@ -63,6 +71,12 @@ USER_MESSAGES: dict[str, Callable[[dict[str, Any]], str]] = {
 }
 """Task name -> row -> user message."""
 
+COMPACT_MESSAGES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "countdown": countdown_compact,
+    "toy": toy_user_message,
+}
+"""Task name -> row -> the whole prompt of the ``compact`` template."""
+
 
 def render_messages(messages: list[dict[str, str]], *, tokenizer: Any) -> str:
     """Chat messages -> prompt text, with the tokenizer's chat template and the assistant turn opened."""
@@ -85,8 +99,12 @@ def _render_base(user: str, *, system_prompt: str, tokenizer: Any) -> str:
     return f"{BASE_PREAMBLE}\nUser: {user}\nAssistant: {BASE_ASSISTANT_OPENING}"
 
 
-TEMPLATES: dict[str, Callable[..., str]] = {"chat": _render_chat, "base": _render_base}
-"""Template name -> (user message, system_prompt=, tokenizer=) -> prompt text."""
+def _render_compact(statement: str, *, system_prompt: str, tokenizer: Any) -> str:
+    return statement  # the task's compact statement (COMPACT_MESSAGES) or a string prompt, as it is
+
+
+TEMPLATES: dict[str, Callable[..., str]] = {"chat": _render_chat, "base": _render_base, "compact": _render_compact}
+"""Template name -> (user message, system_prompt=, tokenizer=) -> prompt text (``compact``: the compact statement)."""
 
 
 PROMPT_TASK = "prompt"
@@ -108,10 +126,9 @@ def render_prompt(
                 raise ValueError(f"data.template={template!r} needs string prompts; column {prompt_column!r} holds "
                                  "chat messages (use data.template='chat')")
             return render_messages(prompt, tokenizer=tokenizer)
-        user = prompt
-    elif task in USER_MESSAGES:
-        user = USER_MESSAGES[task](row)
-    else:
-        raise ValueError(f"render_prompt: unknown task {task!r}; known tasks: {sorted(USER_MESSAGES)} and "
-                         f"{PROMPT_TASK!r} (a prompt column)")
-    return TEMPLATES[template](user, system_prompt=system_prompt, tokenizer=tokenizer)
+        return TEMPLATES[template](prompt, system_prompt=system_prompt, tokenizer=tokenizer)
+    messages = COMPACT_MESSAGES if template == "compact" else USER_MESSAGES  # compact: the bare problem
+    if task not in messages:
+        raise ValueError(f"render_prompt: unknown task {task!r} for data.template={template!r}; known tasks: "
+                         f"{sorted(messages)} and {PROMPT_TASK!r} (a prompt column)")
+    return TEMPLATES[template](messages[task](row), system_prompt=system_prompt, tokenizer=tokenizer)

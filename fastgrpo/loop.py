@@ -1,0 +1,212 @@
+"""What the training loops share (GRPO's :class:`~fastgrpo.trainer.Trainer`, SFT's
+:class:`~fastgrpo.sft.SFTTrainer`): the policy model and its optimizer, resume and atomic checkpoints, and the step
+loop with its logs, evaluations, preemption handling and Hugging Face export.
+
+A subclass calls :meth:`TrainingLoop._init_run`, builds its data (``self.sampler``, a PromptSampler) and tokenizer,
+calls :meth:`TrainingLoop._init_model`, and implements ``train_step() -> (record, extra)``, ``evaluate() -> dict``
+and optionally ``log_rows(extra) -> list[dict]`` (rows for completions.jsonl).
+
+The run config (TrainConfig, SFTConfig) has ``name``, ``max_steps``, ``seed``, ``device`` and the sections
+``model``, ``optim``, ``parallel``, ``checkpoint``, ``eval`` and ``log``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+from typing import Any
+
+import torch
+
+from fastgrpo import checkpoint as ckpt
+from fastgrpo import distributed as fdist
+from fastgrpo import preflight
+from fastgrpo.config import to_dict
+from fastgrpo.guard import NonFiniteGuard
+from fastgrpo.metrics import RunLog, drop_records_after
+from fastgrpo.model import check_plain_head, load_model
+from fastgrpo.parallelize import parallelize_model, uses_fsdp
+
+# Test hook: SIGKILL this process in the middle of the given step (GRPO: after its rollout, before its update; SFT:
+# before its update), so the kill-and-resume tests are deterministic.
+FAULT_ENV = "FASTGRPO_FAULT_KILL_AT_STEP"
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, schedule: str,
+                    min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then constant or cosine decay to min_lr_ratio * lr at total_steps."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class TrainingLoop:
+    """Set-up, checkpoints and the step loop of a run; see the module docstring for what a subclass provides."""
+
+    progress_name = "train"
+    """The progress bar's label."""
+
+    def _init_run(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.device = fdist.init_distributed(cfg.device).device  # idempotent; the entry points initialise it first
+        self.rank, self.world_size = fdist.get_rank(), fdist.get_world_size()
+        self.run_dir = cfg.run_dir
+        self.is_main = self.rank == 0
+        torch.manual_seed(cfg.seed)
+        # Cheap checks first: the launch and the run folder fail before any data or model loads.
+        preflight.check_launch(cfg, self.world_size)
+        preflight.check_run_dir(cfg)
+
+    def _init_model(self, total_updates: int) -> None:
+        """The policy (loaded, parallelized), AdamW, the LR schedule over ``total_updates``; then resume."""
+        cfg = self.cfg
+        # Under FSDP on CUDA, 'auto' loads float32 master weights and FSDP computes in parallel.param_dtype: AdamW
+        # updates of lr ~ 1e-6 vanish in bfloat16 weights (8 bits of mantissa).
+        master_dtype = None
+        if cfg.model.dtype == "auto" and self.device.type == "cuda" and \
+                uses_fsdp(cfg.parallel, self.device, self.world_size):
+            master_dtype = torch.float32
+        model = load_model(cfg.model, device=self.device, dtype=master_dtype, seed=cfg.seed)
+        check_plain_head(model)  # logits must be hidden @ lm_head.weight.T, checked before any step
+        self.model = parallelize_model(model, cfg.parallel, device=self.device, world_size=self.world_size)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
+                                           weight_decay=o.weight_decay)
+        self.total_updates = total_updates
+        self.scheduler = build_scheduler(self.optimizer, warmup_steps=o.warmup_steps, total_steps=total_updates,
+                                         schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+        self.step = 0
+        self.guard = NonFiniteGuard(o.max_nonfinite_steps)  # the optimizer steps on finite gradients only
+        self._resume()
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+
+    def _resume(self) -> None:
+        path = ckpt.resolve_resume(self.cfg.checkpoint.resume, self.run_dir / "checkpoints")
+        if path is None:
+            return
+        state = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        sampler_state = dict(state["sampler"])
+        if sampler_state["world_size"] != self.world_size:
+            # Resharded resume: keep the epoch and the share of it already consumed (prompts seen globally), so
+            # the data position is kept up to the rounding of one step.
+            seen = sampler_state["offset"] * sampler_state["world_size"]
+            sampler_state.update(world_size=self.world_size, rank=self.rank,
+                                 offset=min(seen // self.world_size, self.sampler.per_rank))
+        self.sampler.load_state_dict(sampler_state)
+        self.step = int(state["step"])
+        if self.is_main:
+            print(f"[fastgrpo] resumed from {path} at step {self.step}", flush=True)
+
+    def _save(self) -> None:
+        state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict()}
+        ckpt.save_checkpoint(self.run_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
+                             trainer_state=state, keep_last=self.cfg.checkpoint.keep_last)
+
+    def _fault_point(self) -> None:
+        """The kill-and-resume tests' hook: SIGKILL in the middle of step ``$FASTGRPO_FAULT_KILL_AT_STEP``."""
+        if self.step + 1 == int(os.environ.get(FAULT_ENV, "-1")):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # ------------------------------------------------------------------------------------------------ loop
+
+    def train_step(self) -> tuple[dict[str, float], Any]:
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def log_rows(self, extra: Any) -> list[dict]:
+        """Rows for completions.jsonl from what ``train_step`` returned besides its record (rank 0 only)."""
+        return []
+
+    def run(self) -> dict[str, float]:
+        """Steps up to ``max_steps`` (from a resumed step), then a final checkpoint and export; the last record.
+        ``train_step`` returns a record of None when SIGTERM cut the step short (it was dropped, and the data
+        position is back where it was before it): the run then saves and stops."""
+        cfg = self.cfg
+        if self.step >= cfg.max_steps:
+            if cfg.checkpoint.export_hf and not (self.run_dir / "final").is_dir():
+                # killed after its last checkpoint, before (or while) writing the export: write it now
+                if self.is_main:
+                    print(f"[fastgrpo] {self.run_dir} is at step {self.step} but has no final/ export: writing it",
+                          flush=True)
+                ckpt.export_hf(self.run_dir / "final", model=self.model, tokenizer=self.tokenizer)
+            elif self.is_main:
+                print(f"[fastgrpo] {self.run_dir} is already at step {self.step} >= max_steps={cfg.max_steps}; "
+                      "nothing to do (raise max_steps to train further)", flush=True)
+            return {}
+        if self.is_main and cfg.checkpoint.resume == "never" and cfg.checkpoint.overwrite and \
+                preflight.holds_run(self.run_dir):
+            preflight.clear_run(self.run_dir)
+        eval_at_start = self.step == 0 and cfg.eval.at_start and cfg.eval.every >= 0 and self.has_eval_data()
+        if eval_at_start and self.is_main:  # a fresh start: a step-0 record of an earlier attempt goes
+            drop_records_after(self.run_dir / "metrics.jsonl", -1)
+        log = RunLog(self.run_dir, report_to=cfg.log.report_to, name=cfg.name, project=cfg.log.wandb_project,
+                     config=to_dict(cfg), step=self.step, max_steps=cfg.max_steps, enabled=self.is_main,
+                     progress=cfg.log.progress, desc=self.progress_name)
+        record: dict[str, float] = {}
+        self._sigterm = False
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            # Preemption (SIGTERM from a scheduler, or torchrun relaying one): finish the step, save, exit 0.
+            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            if eval_at_start:
+                log.write({"step": 0, **self.evaluate()}, [], advance=False)
+            while self.step < cfg.max_steps:
+                step_record, extra = self.train_step()
+                if step_record is None:  # SIGTERM cut the step short on some rank: it was dropped
+                    self._save()
+                    if self.is_main:
+                        log.bar.write(f"[fastgrpo] SIGTERM during step {self.step + 1}: dropped that step and "
+                                      f"saved step {self.step} to {self.run_dir / 'checkpoints'}; run the same "
+                                      "command again to resume")
+                    return record
+                record = step_record
+                stop = self._stop_requested()
+                if not stop and self._due(cfg.eval.every):  # preempted: save first
+                    record.update(self.evaluate())
+                log.write(record, self.log_rows(extra) if self.is_main else [])
+                if stop:
+                    self._save()
+                    if self.is_main:
+                        log.bar.write(f"[fastgrpo] SIGTERM: saved step {self.step} to "
+                                      f"{self.run_dir / 'checkpoints'}; run the same command again to resume")
+                    return record
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.max_steps:
+                    self._save()
+            self._save()
+            if cfg.checkpoint.export_hf:
+                ckpt.export_hf(self.run_dir / "final", model=self.model, tokenizer=self.tokenizer)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            log.close()
+        return record
+
+    def _on_sigterm(self, *_) -> None:
+        """Preemption: stop after this step (subclasses also abandon work in flight)."""
+        self._sigterm = True
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank got SIGTERM (all ranks must agree, or the others would wait in a collective)."""
+        return fdist.all_reduce_int(int(self._sigterm), "max", device=self.device) > 0
+
+    def _due(self, every: int) -> bool:
+        if every < 0 or not self.has_eval_data():
+            return False
+        return self.step == self.cfg.max_steps or (every > 0 and self.step % every == 0)
+
+    def has_eval_data(self) -> bool:
+        return True

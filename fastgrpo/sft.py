@@ -1,0 +1,218 @@
+"""Supervised fine-tuning on prompt/completion pairs, on the GRPO trainer's machinery.
+
+    python -m fastgrpo.sft --config configs/tiny-countdown-sft.yaml key=value ...
+    torchrun --nproc-per-node K -m fastgrpo.sft --config configs/X.yaml key=value ...
+
+What it shares with GRPO: the config system (YAML + dotted overrides, closest-key errors), packed micro-batches
+with no padding and the one optimizer update (:func:`fastgrpo.update.optimizer_update`), the lm_head through
+``fastgrpo.kernels`` (the token loss is ``-linear_logprobs``: no ``[tokens x vocab]`` tensor), FSDP2, atomic
+checkpoints with ``resume: auto``, metrics.jsonl and the progress bar (:class:`fastgrpo.loop.TrainingLoop`), and
+a Hugging Face export in ``<run>/final`` that ``fastgrpo.train`` starts from (``model.name_or_path=<run>/final``).
+
+The loss is on completion tokens only: ``sum_t w_t * -log p(y_t)``, with per-token weights ``w`` fixed once per
+step over the global batch by ``sft.normalization`` (registry ``SFT_NORMALIZATIONS``), exactly as GRPO's loss
+types are, so the gradient does not depend on the micro-batch budget or the number of ranks.
+
+Legend: S sequences on this rank, N completion tokens on this rank (flat layout), n of one micro-batch, H hidden
+size, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from fastgrpo.config import (CheckpointConfig, ConfigError, DataConfig, EvalConfig, LogConfig, ModelConfig,
+                             OptimConfig, ParallelConfig, check_run_config, describe, load_config, registry)
+from fastgrpo import distributed as fdist
+from fastgrpo.data.sampler import PromptSampler
+from fastgrpo.data.sft import build_sft_datasets
+from fastgrpo.evaluate import evaluate
+from fastgrpo.kernels import resolve_backend
+from fastgrpo.loop import TrainingLoop
+from fastgrpo.metrics import StepMetrics, Timer
+from fastgrpo.model import load_tokenizer
+from fastgrpo.rewards import REWARDS
+from fastgrpo.rollout.hf import HFEngine
+from fastgrpo.update import packed_logprobs, plan_packed, sft_update, sft_weights
+
+__all__ = ["SFTConfig", "SFTOptions", "SFTTrainer", "main"]
+
+
+@dataclass(kw_only=True)
+class SFTOptions:
+    batch_size: int = 32
+    """Sequences per optimizer step on each rank."""
+    normalization: str = field(default="token", metadata=registry("fastgrpo.losses:SFT_NORMALIZATIONS"))
+    """Loss average over the global batch: 'token' (every completion token weighs the same) or 'sequence' (the
+    token mean of each sequence, then the mean over sequences)."""
+    max_tokens_per_microbatch: int = 1024
+    """Token budget of one packed micro-batch (prompt + completion tokens); gradients accumulate across them."""
+    trace: str = field(default="steps", metadata=registry("fastgrpo.data.sft:TRACES"))
+    """data.source=countdown: how a solver's solution is written ('answer': equation only; 'steps': the
+    intermediate results, then the equation)."""
+    near_miss: float = 0.0
+    """data.source=countdown: share of training traces that show an honest attempt missing the target by as little
+    as any, instead of a solution (held-out traces are solutions)."""
+    head_backend: str = field(default="auto", metadata=registry("fastgrpo.kernels:BACKENDS"))
+    """lm_head + loss kernel path, as grpo.head_backend."""
+    eval_reward: str | None = None
+    """A reward (fastgrpo.rewards.REWARDS name, e.g. 'countdown') that scores greedy completions of held-out
+    prompts at each evaluation, besides their loss; None = loss only."""
+
+    def validate(self, p: str) -> None:
+        if self.batch_size < 1:
+            raise ConfigError(f"{p}.batch_size: must be >= 1")
+        if self.max_tokens_per_microbatch < 1:
+            raise ConfigError(f"{p}.max_tokens_per_microbatch: must be >= 1")
+        if not 0.0 <= self.near_miss <= 1.0:
+            raise ConfigError(f"{p}.near_miss: must be in [0, 1], got {self.near_miss}")
+
+
+@dataclass(kw_only=True)
+class SFTConfig:
+    name: str = "sft"
+    """Run name: outputs go to <output_dir>/<name>/."""
+    output_dir: str = "runs"
+    """Parent folder of run folders."""
+    max_steps: int = 200
+    """Optimizer steps."""
+    seed: int = 0
+    """Global seed (model init of the tiny model, data order)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """'auto' (cuda if available), 'cpu' or 'cuda'."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTOptions = field(default_factory=SFTOptions)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+    def validate(self) -> "SFTConfig":
+        check_run_config(self, head_backend_field="sft.head_backend")
+        if self.sft.eval_reward is not None and self.sft.eval_reward not in REWARDS:
+            raise ConfigError(f"sft.eval_reward: unknown reward {self.sft.eval_reward!r}; "
+                              f"choices: {', '.join(REWARDS)}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class SFTTrainer(TrainingLoop):
+    """Composes the components from an SFTConfig and runs the loop (:class:`fastgrpo.loop.TrainingLoop`)."""
+
+    progress_name = "sft"
+
+    def __init__(self, cfg: SFTConfig) -> None:
+        self._init_run(cfg)
+        self.tokenizer = load_tokenizer(cfg.model, seed=cfg.seed)
+        # Cheap checks first: bad rows fail before the model loads.
+        train, held_out, self.data_info = build_sft_datasets(cfg.data, trace=cfg.sft.trace, tokenizer=self.tokenizer,
+                                                             near_miss=cfg.sft.near_miss)
+        self.train_ids = [self._encode(p) for p in train]  # [(prompt ids, completion ids)]
+        self.eval_pairs = held_out[:cfg.eval.num_prompts]
+        self.sampler = PromptSampler(len(self.train_ids), seed=cfg.data.seed, rank=self.rank,
+                                     world_size=self.world_size)
+        self._init_model(total_updates=cfg.max_steps)
+        self.reward_fn = None
+        if cfg.sft.eval_reward is not None:
+            self.reward_fn = REWARDS[cfg.sft.eval_reward]
+
+    def _encode(self, pair: dict[str, Any]) -> tuple[list[int], list[int]]:
+        # Prompt and completion are tokenized apart, as the rollout sees them (prompt ids, then sampled ids).
+        enc = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        return enc(pair["prompt"]), enc(pair["completion"])
+
+    def train_step(self) -> tuple[dict[str, float], None]:
+        """One optimizer update on ``sft.batch_size`` pairs per rank (:func:`fastgrpo.update.sft_update`)."""
+        metrics = StepMetrics()
+        batch = [self.train_ids[i] for i in self.sampler.next_batch(self.cfg.sft.batch_size)]
+        self._fault_point()
+        s = self.cfg.sft
+        with Timer() as t:
+            sft_update(self.model, [p for p, _ in batch], [c for _, c in batch], normalization=s.normalization,
+                       max_tokens_per_microbatch=s.max_tokens_per_microbatch, head_backend=s.head_backend,
+                       optimizer=self.optimizer, scheduler=self.scheduler, max_grad_norm=self.cfg.optim.max_grad_norm,
+                       metrics=metrics, device=self.device, pad_token_id=self.tokenizer.pad_token_id or 0,
+                       guard=self.guard)
+        self.step += 1
+        record = {"step": self.step, **metrics.reduce()}
+        record["time/update_s"] = t.seconds
+        record["perf/tokens_per_s"] = record["perf/update_tokens"] / max(t.seconds, 1e-9)
+        return record, None
+
+    def has_eval_data(self) -> bool:
+        return bool(self.eval_pairs)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss per completion token (``eval/nll``); with ``sft.eval_reward``, also greedy accuracy and
+        best-of-n of the model's own completions (``eval/greedy_acc``, ...), as the GRPO trainer reports them.
+        Each rank takes its slice of the held-out pairs; the results are averaged over ranks."""
+        # Every rank takes the same number of pairs: under FSDP a rank with fewer would leave the others waiting.
+        n = max(1, len(self.eval_pairs) // self.world_size)
+        pairs = [self.eval_pairs[(self.rank + k * self.world_size) % len(self.eval_pairs)] for k in range(n)]
+        ids = [self._encode(p) for p in pairs]
+        weights = sft_weights([c for _, c in ids], "token", device=self.device)  # sum(w * nll): a per-token mean
+        mbs = plan_packed([p for p, _ in ids], [c for _, c in ids], self.cfg.sft.max_tokens_per_microbatch,
+                          device=self.device, pad_token_id=self.tokenizer.pad_token_id or 0)
+        self.model.eval()
+        lp = packed_logprobs(self.model, mbs, int(weights.numel()), temperature=1.0,
+                             backend=resolve_backend(self.cfg.sft.head_backend, self.device, needs_grad=False))
+        out = {"nll": float(-(lp * weights).sum()) * self.world_size}  # the "avg" reduction below divides again
+        if self.reward_fn is not None:
+            engine = HFEngine(self.model, self.tokenizer)
+            e = self.cfg.eval
+            out |= evaluate(engine, pairs, [p["prompt"] for p in pairs], [p for p, _ in ids],
+                            reward_fn=self.reward_fn, best_of_n=e.best_of_n, temperature=e.temperature,
+                            max_tokens=max(len(c) for _, c in ids) + 16, seed=self.cfg.seed + self.step)
+        names = sorted(out)
+        vals = fdist.all_reduce_(torch.tensor([out[k] for k in names], device=self.device), "avg")
+        return {f"eval/{k}": float(v) for k, v in zip(names, vals.tolist())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="fastgrpo.sft", description="Supervised fine-tuning (see README.md).")
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=1e-4")
+    args = p.parse_args(argv)
+    if args.help_config:
+        print(describe(SFTConfig))
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides, cls=SFTConfig)
+    except ConfigError as e:
+        print(f"fastgrpo.sft: config error: {e}", file=sys.stderr)
+        return 2
+
+    fdist.init_distributed(cfg.device)
+    try:
+        try:
+            trainer = SFTTrainer(cfg)
+        except (ValueError, ImportError, OSError) as e:  # bad data, model path: before any training
+            print(f"fastgrpo.sft: error: {e}", file=sys.stderr)
+            return 2
+        record = trainer.run()
+        if fdist.get_rank() == 0 and record:
+            summary = {k: round(v, 4) for k, v in record.items() if k.startswith(("sft/nll", "eval/"))}
+            print(f"[fastgrpo] sft done: step {int(record['step'])} {summary} -> {cfg.run_dir}", flush=True)
+    finally:
+        fdist.destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Warm-started tiny models: the SFT recipe run once on first use, cached like the tiny model.
+
+``model.name_or_path: tiny:countdown`` names the embedded Countdown model: the random ``tiny:small`` model after
+a short SFT (:mod:`fastgrpo.sft`) on Countdown solutions written by the exhaustive solver. It is what ``make
+demo`` starts GRPO from: it solves some held-out problems greedily and many more among a few samples, so GRPO has
+something to sharpen, and a learning curve shows within minutes on a laptop CPU.
+
+A recipe is a list of ``fastgrpo.sft`` overrides (registry ``WARM_RECIPES``). The folder is
+``<root>/tiny-<name>-<hash>``, the hash taken over the recipe's *resolved* config (every default included) and the
+tiny model's recipe version, so a changed recipe or default builds a new folder instead of reusing a stale one.
+
+The build runs ``python -m fastgrpo.sft`` in a child process: on the CPU (the same weights on every machine, and
+no GPU memory taken from a run that is starting), outside any torchrun process group of the caller, with its
+progress bar on the caller's terminal. Concurrent callers (torchrun ranks, test workers) take a file lock: the
+first builds, the others wait and then find the folder. The result is renamed into place, so no caller ever sees a
+half-written folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from fastgrpo.tiny import tiny_cache_root
+
+__all__ = ["WARM_RECIPES", "build_warm", "recipe_config", "warm_folder"]
+
+# Bump when the SFT code changes in a way the resolved config does not show (e.g. the trace writer).
+_WARM_VERSION = "w1"
+
+# The Countdown distribution the warm model is trained on and the demo trains and evaluates on (see configs/tiny.yaml):
+# three numbers from 1..9 (the seeds' problems have 3-4 numbers from 1..99: too much arithmetic for a ~1M-parameter
+# model trained for two minutes; benchmarks/bench_learning.py reports both).
+COUNTDOWN_DATA = ["data.source=countdown", "data.template=compact", "data.min_numbers=3", "data.max_numbers=3",
+                  "data.max_value=9", "data.seed=0", "data.num_eval=256"]
+
+WARM_RECIPES: dict[str, list[str]] = {
+    "countdown": [
+        "model.name_or_path=tiny:small", "model.dtype=float32", "device=cpu", "seed=0",
+        *COUNTDOWN_DATA, "data.num_train=1800",
+        "sft.trace=steps", "sft.batch_size=64", "sft.max_tokens_per_microbatch=512", "sft.normalization=token",
+        "max_steps=300", "optim.lr=3e-3", "optim.schedule=cosine", "optim.warmup_steps=20",
+        "eval.every=-1", "checkpoint.every=100", "log.report_to=[jsonl]",
+    ],
+}
+"""Warm model name (``tiny:<name>``) -> ``fastgrpo.sft`` overrides of its recipe."""
+
+
+def recipe_config(name: str):
+    """The resolved SFTConfig of recipe ``name`` (ValueError for an unknown name)."""
+    from fastgrpo.config import load_config
+    from fastgrpo.sft import SFTConfig
+
+    if name not in WARM_RECIPES:
+        raise ValueError(f"model.name_or_path: unknown warm tiny model 'tiny:{name}' (known: "
+                         f"{', '.join('tiny:' + n for n in WARM_RECIPES)})")
+    return load_config(None, WARM_RECIPES[name], cls=SFTConfig)
+
+
+def warm_folder(name: str, cache_dir: str | Path | None = None) -> Path:
+    """Where recipe ``name`` is cached: the hash covers the resolved config and the tiny model's version."""
+    from fastgrpo.config import to_dict
+    from fastgrpo.tiny import _RECIPE_VERSION
+
+    resolved = to_dict(recipe_config(name))
+    for key in ("name", "output_dir"):  # where the build runs does not change what it builds
+        resolved.pop(key)
+    blob = json.dumps({"sft": resolved, "tiny": _RECIPE_VERSION, "warm": _WARM_VERSION}, sort_keys=True)
+    digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return tiny_cache_root(cache_dir) / f"tiny-{name}-{digest}"
+
+
+# torchrun's variables: the child must not join (or wait for) the caller's process group.
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+
+
+def build_warm(name: str, *, cache_dir: str | Path | None = None, overrides: list[str] = ()) -> Path:
+    """Build (once; later calls return the cached folder) the warm model ``name`` and return its folder.
+
+    ``overrides`` are appended to the recipe for the build only; they do not change the cache key, so they are
+    for tests that need a fast, small stand-in (e.g. ``max_steps=2``) in a private ``cache_dir``.
+    """
+    import fcntl
+
+    final = warm_folder(name, cache_dir)
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if (final / "config.json").is_file():  # built by whoever held the lock before us
+            return final
+        print(f"[fastgrpo] building the warm model tiny:{name} (first use only; about 2 minutes on 2 CPU cores) "
+              f"-> {final}", file=sys.stderr, flush=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        try:
+            env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+            cmd = [sys.executable, "-m", "fastgrpo.sft", *WARM_RECIPES[name], *overrides,
+                   f"output_dir={work}", "name=build", "checkpoint.resume=never", "checkpoint.export_hf=true"]
+            done = subprocess.run(cmd, env=env)
+            if done.returncode != 0:
+                raise RuntimeError(f"building the warm model tiny:{name} failed (exit {done.returncode}); "
+                                   f"command: {' '.join(cmd)}")
+            os.chmod(work / "build" / "final", 0o755)
+            os.rename(work / "build" / "final", final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return final
