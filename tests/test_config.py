@@ -44,7 +44,7 @@ def test_unknown_key_names_closest(override, needle):
     ("optim.lr=0", "optim.lr"),
     ("optim.lr=-1e-5", "optim.lr"),
     ("rollout.max_completion_length=0", "rollout.max_completion_length"),
-    ("rewards.weights=[1.0]", "rewards.weights"),
+    ("rewards.weights=[1.0,2.0,3.0]", "rewards.weights"),
     ("grpo.loss_type=ppo", "grpo.loss_type"),
     ("max_steps=2.5", "max_steps"),
     ("grpo.num_generations=abc", "grpo.num_generations"),

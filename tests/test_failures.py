@@ -267,7 +267,7 @@ def test_2_sigterm_ends_a_run_stuck_in_a_reward_and_saves_the_step_before(tmp_pa
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert time.time() - t0 < 30  # not the 600 s of the hang nor rewards.timeout_s
-    assert "SIGTERM while scoring step 2" in out + err
+    assert "SIGTERM during step 2: dropped that step" in out + err
     run = tmp_path / "stuck"
     assert [r["step"] for r in _metrics(run)] == [1]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
