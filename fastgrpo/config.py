@@ -227,6 +227,9 @@ class RolloutConfig:
     """vllm: 0 = never sleep, 1 = free KV cache during the update, 2 = also free the weights."""
     sync_bucket_mb: int = 512
     """vllm: weight-sync bucket size in MB (full tensors gathered per bucket)."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """vllm with model.lora: 'merged' streams W + scale * B @ A per layer (the engine decodes a plain model);
+    'adapter' sends only the adapters to vLLM's LoRA support (less to send, slower decoding; RESULTS.md)."""
     importance_sampling_cap: float | None = None
     """Token-level truncated importance-sampling correction of sampler/trainer mismatch, weight capped here (2.0
     is common); None = off. TRL's current default masks whole sequences instead, with cap 3."""

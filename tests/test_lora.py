@@ -125,3 +125,27 @@ def test_config_checks_and_missing_peft_message(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
     with pytest.raises(ImportError, match=r"pip install fastgrpo\[lora\]"):
         lora.check_peft_available()
+
+
+def test_sigkill_mid_step_then_resume_matches_uninterrupted_lora_run(tmp_path):
+    """The full-weight kill-and-resume test, with adapters: the exported adapters end bit-equal."""
+    import signal
+
+    from safetensors.torch import load_file
+    from test_trainer import TOY, _cli
+
+    common = TOY + [f"output_dir={tmp_path}", "max_steps=3", "checkpoint.every=1", "checkpoint.export_hf=true",
+                    "rollout.max_completion_length=3", "grpo.prompts_per_step=4", "grpo.num_generations=4",
+                    "model.lora.rank=4", "grpo.beta=0.05"]
+    ref = _cli(common + ["name=straight"])
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    killed = _cli(common + ["name=killed"], {"FASTGRPO_FAULT_KILL_AT_STEP": "3"})
+    assert killed.returncode == -signal.SIGKILL
+    resumed = _cli(common + ["name=killed"])
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-2000:]
+    a = load_file(tmp_path / "straight" / "final" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "killed" / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in a.items() if "lora_B" in k)  # it trained
