@@ -54,8 +54,9 @@ def lora_cfg():
     return LoraConfig(rank=RANK, alpha=2 * RANK)
 
 
-def run_update(lora: bool, steps: int) -> dict:
-    """One process: load float32, (LoRA), GRPO updates on 8 sequences of 32 + 32 tokens; peak RSS, s/update."""
+def run_update(lora: bool, steps: int, seq_len: int) -> dict:
+    """One process: load float32, (LoRA), GRPO updates on 8 sequences of seq_len prompt + seq_len completion tokens;
+    peak RSS, seconds of the fastest update after the first."""
     from transformers import AutoModelForCausalLM
 
     from fastgrpo.config import GRPOConfig, ParallelConfig, RolloutConfig
@@ -72,14 +73,14 @@ def run_update(lora: bool, steps: int) -> dict:
     params = trainable_parameters(model)
     opt = torch.optim.AdamW(params, lr=1e-5)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 150000, (32,), generator=g).tolist() for _ in range(8)]
-    comps = [torch.randint(0, 150000, (32,), generator=g).tolist() for _ in range(8)]
+    prompts = [torch.randint(0, 150000, (seq_len,), generator=g).tolist() for _ in range(8)]
+    comps = [torch.randint(0, 150000, (seq_len,), generator=g).tolist() for _ in range(8)]
     batch = GRPOBatch(prompt_ids=prompts, completion_ids=comps, advantages=torch.randn(8, generator=g))
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         grpo_update(model, batch, grpo=GRPOConfig(max_tokens_per_microbatch=512, head_backend="torch"),
-                    rollout=RolloutConfig(max_completion_length=32), optimizer=opt, max_grad_norm=1.0,
+                    rollout=RolloutConfig(max_completion_length=seq_len), optimizer=opt, max_grad_norm=1.0,
                     metrics=StepMetrics(), device="cpu")
         times.append(time.perf_counter() - t)
     tokens = sum(len(p) + len(c) for p, c in zip(prompts, comps))
@@ -129,7 +130,7 @@ def run_sync(adapter: bool, syncs: int, model: str) -> dict:
 
 
 def _child(args) -> None:
-    res = run_update(args.variant == "lora", args.steps) if args.what == "update" else \
+    res = run_update(args.variant == "lora", args.steps, args.seq_len) if args.what == "update" else \
         run_sync(args.variant == "adapter", args.steps, args.model)
     print("RESULT " + json.dumps(res), flush=True)
 
@@ -139,6 +140,7 @@ def main() -> None:
     ap.add_argument("what", choices=["update", "sync"])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seq-len", type=int, default=32, help="update: prompt and completion length (8 sequences)")
     ap.add_argument("--model", choices=["qwen05", "tiny"], default="qwen05", help="sync: the engine's model")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -151,7 +153,7 @@ def main() -> None:
     for _ in range(args.repeat):
         for v in variants:  # alternated: A B A B ...
             p = subprocess.run([sys.executable, __file__, args.what, "--variant", v, "--steps", str(args.steps),
-                                "--model", args.model],
+                                "--model", args.model, "--seq-len", str(args.seq_len)],
                                capture_output=True, text=True)
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             if not line:
