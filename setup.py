@@ -37,6 +37,7 @@ setup(
         "flash-attn": ["flash-attn>=2.6"],
         "liger": ["liger-kernel>=0.5"],
         "wandb": ["wandb>=0.18"],
+        "lora": ["peft>=0.17"],
         "math": ["math-verify>=0.7"],
         "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8"],
     },

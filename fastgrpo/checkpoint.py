@@ -7,7 +7,12 @@ Layout of a run folder::
         trainer_state.pt                      step, scheduler, data sampler (rank 0)
         rng_rank{r}.pt                        each rank's RNG state
     runs/<name>/checkpoints/.tmp_step_000010/ a save in progress; never read, removed on the next save
-    runs/<name>/final/                        Hugging Face export (safetensors, config, tokenizer)
+    runs/<name>/final/                        Hugging Face export (safetensors, config, tokenizer); with LoRA a
+                                              peft adapter folder (PeftModel.from_pretrained(base, final))
+    runs/<name>/final_merged/                 with LoRA and checkpoint.export_merged: adapters merged into the base
+
+With LoRA (``fastgrpo.lora``) checkpoints hold the adapters and their optimizer state only: the frozen base is
+reloaded from model.name_or_path on resume (``StateDictOptions(ignore_frozen_params=True)``).
 
 Atomicity: everything is written under a temporary name and renamed once every rank has finished (rename is atomic
 on POSIX filesystems), so a run killed at any instant leaves either the previous checkpoint or the new one, never a
@@ -34,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fastgrpo.errors import DiskFullError, is_disk_full
+from fastgrpo.lora import is_lora
 
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
@@ -85,6 +91,23 @@ def _disk_full(what: str, path: Path, intact: str) -> DiskFullError:
     return DiskFullError(f"no space left on the device while writing {what} to {path} "
                          f"({usage.free / 2**20:.0f} MiB free); {intact}. Free some space (or point output_dir "
                          "elsewhere) and run the same command again")
+def _options(model: torch.nn.Module, **kwargs: Any) -> StateDictOptions:
+    """State-dict options: a LoRA model's frozen base is not part of its checkpoints or adapter export."""
+    return StateDictOptions(ignore_frozen_params=is_lora(model), **kwargs)
+
+
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts to save or load into; a LoRA model's hold its adapters only.
+
+    ``ignore_frozen_params`` drops the frozen base, but a tied lm_head comes back under its second name (torch
+    2.13), so the model's dict is also cut to the trainable parameters' names."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+    if is_lora(model):
+        from fastgrpo.rollout.weight_sync import clean_param_name
+
+        keep = {clean_param_name(n) for n, p in model.named_parameters() if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in keep}
+    return model_sd, optim_sd
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -115,7 +138,7 @@ def _save_checkpoint(ckpt_dir: Path, step: int, *, model: torch.nn.Module, optim
             shutil.rmtree(tmp)  # a save that a killed run left half-written
         tmp.mkdir()
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "model_optim"))
     torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
     if _rank() == 0:
@@ -193,11 +216,12 @@ def check_same_model(path: Path, model_sd: dict[str, Any]) -> None:
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG in place; return the trainer state (step, scheduler, data)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     check_same_model(path, model_sd)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "model_optim"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(model, strict=not is_lora(model)))
     rng_file = path / f"rng_rank{_rank()}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
@@ -207,15 +231,41 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
 def export_hf(out_dir: Path, *, model: torch.nn.Module, tokenizer: Any) -> Path | None:
     """Write a Hugging Face folder (safetensors, config, tokenizer) that from_pretrained and vLLM load.
 
-    Gathers the full (unsharded) state dict onto rank 0's CPU; written under a temporary name and renamed.
+    Gathers the full (unsharded) state dict onto rank 0's CPU; written under a temporary name and renamed. A LoRA
+    model writes a peft adapter folder instead (adapter_config.json, adapter_model.safetensors, tokenizer), which
+    ``PeftModel.from_pretrained(base, out_dir)`` loads; :func:`export_merged` writes the merged model.
     """
-    full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full_sd = get_model_state_dict(model, options=_options(model, full_state_dict=True, cpu_offload=True))
+    return _write_folder(out_dir, lambda tmp: model.save_pretrained(tmp, state_dict=full_sd, safe_serialization=True),
+                         tokenizer)
+
+
+def export_merged(out_dir: Path, *, model: torch.nn.Module, tokenizer: Any) -> Path | None:
+    """Write a LoRA model as a plain Hugging Face folder with the adapters merged into the base weights.
+
+    The merged weights stream one layer at a time (``weight_sync.iter_policy_tensors``, a collective under FSDP)
+    onto rank 0's CPU; the policy's own weights are not touched."""
+    from fastgrpo.rollout.weight_sync import iter_policy_tensors
+
+    if not is_lora(model):
+        raise ValueError("checkpoint.export_merged needs a LoRA model (model.lora.rank > 0)")
+    merged = {}
+    for name, t in iter_policy_tensors(model):  # every rank iterates (collective); rank 0 keeps a CPU copy
+        if _rank() == 0:
+            merged[name] = t.detach().to("cpu", copy=True)
+    base = model.get_base_model()  # the *ForCausalLM under peft's wrapper: its config and save logic
+    return _write_folder(out_dir, lambda tmp: base.save_pretrained(tmp, state_dict=merged, safe_serialization=True),
+                         tokenizer)
+
+
+def _write_folder(out_dir: Path, write: Any, tokenizer: Any) -> Path | None:
+    """Rank 0 writes ``out_dir`` under a temporary name (``write(tmp)`` + the tokenizer), then renames it."""
     if _rank() == 0:
         tmp = out_dir.with_name(f".tmp_{out_dir.name}")
         if tmp.exists():
             shutil.rmtree(tmp)
         try:
-            model.save_pretrained(tmp, state_dict=full_sd, safe_serialization=True)
+            write(tmp)
             tokenizer.save_pretrained(tmp)
         except Exception as e:
             if not is_disk_full(e):

@@ -82,6 +82,31 @@ SEEDS_SYSTEM_PROMPT = (
 
 
 @dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters through peft (``pip install fastgrpo[lora]``); rank 0 trains every weight."""
+
+    rank: int = 0
+    """Adapter rank r; 0 = off (full fine-tuning)."""
+    alpha: float | None = None
+    """Scale numerator: adapters are scaled by alpha / rank; None = 2 * rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input during training, in [0, 1)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names (or name suffixes) that get adapters, or ['all-linear'] (every linear layer but lm_head)."""
+
+    def validate(self, p: str) -> None:
+        _check(self.rank >= 0, f"{p}.rank", "must be >= 0 (0 = off)")
+        _check(self.alpha is None or self.alpha > 0, f"{p}.alpha", "must be > 0 or null")
+        _check(0 <= self.dropout < 1, f"{p}.dropout", "must be in [0, 1)")
+        _check(bool(self.target_modules) and all(self.target_modules), f"{p}.target_modules",
+               "must name at least one module (or be ['all-linear'])")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     name_or_path: str = "tiny"
     """'tiny' (the embedded model, built locally), a local folder, or a Hugging Face hub id (needs network)."""
@@ -94,9 +119,12 @@ class ModelConfig:
     """Passed to transformers when loading a hub model."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) to load."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Train low-rank adapters instead of every weight (off by default)."""
 
     def validate(self, p: str) -> None:
         _check(bool(self.name_or_path), f"{p}.name_or_path", "must not be empty")
+        self.lora.validate(f"{p}.lora")
 
 
 @dataclass(kw_only=True)
@@ -199,6 +227,9 @@ class RolloutConfig:
     """vllm: 0 = never sleep, 1 = free KV cache during the update, 2 = also free the weights."""
     sync_bucket_mb: int = 512
     """vllm: weight-sync bucket size in MB (full tensors gathered per bucket)."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """vllm with model.lora: 'merged' streams W + scale * B @ A per layer (the engine decodes a plain model);
+    'adapter' sends only the adapters to vLLM's LoRA support (less to send, slower decoding; RESULTS.md)."""
     importance_sampling_cap: float | None = None
     """Token-level truncated importance-sampling correction of sampler/trainer mismatch, weight capped here (2.0
     is common); None = off. TRL's current default masks whole sequences instead, with cap 3."""
@@ -345,9 +376,11 @@ class CheckpointConfig:
     resume: str = "auto"
     """'auto' resumes from the newest checkpoint in the run folder, 'never', or a checkpoint path."""
     export_hf: bool = True
-    """Write a Hugging Face folder (safetensors, config, tokenizer) at the end."""
+    """Write a Hugging Face folder (safetensors, config, tokenizer) at the end; with LoRA, a peft adapter folder."""
     overwrite: bool = False
     """With resume: never, allow starting over in a run folder that holds a run (its checkpoints and logs go)."""
+    export_merged: bool = False
+    """With LoRA: also write <run>/final_merged, the base model with the adapters merged in (Hugging Face folder)."""
 
     def validate(self, p: str) -> None:
         _check(self.every >= 0, f"{p}.every", "must be >= 0")
@@ -421,6 +454,8 @@ class TrainConfig:
         _check(not (self.grpo.head_backend == "cublas" and self.grpo.importance_sampling_level == "sequence"),
                "grpo.head_backend", "'cublas' forms each token's gradient before its sequence is complete, so it "
                "has no sequence-level importance sampling; use auto (triton on CUDA) or triton")
+        _check(not self.checkpoint.export_merged or self.model.lora.enabled, "checkpoint.export_merged",
+               "merges LoRA adapters: set model.lora.rank > 0 (a full fine-tune's export_hf folder is already merged)")
         return self
 
 

@@ -26,6 +26,7 @@ from fastgrpo import preflight
 from fastgrpo.config import to_dict
 from fastgrpo.guard import NonFiniteGuard
 from fastgrpo.metrics import RunLog, drop_records_after
+from fastgrpo.lora import apply_lora, check_peft_available, trainable_parameters
 from fastgrpo.model import check_plain_head, load_model
 from fastgrpo.parallelize import parallelize_model, uses_fsdp
 
@@ -75,11 +76,15 @@ class TrainingLoop:
         if cfg.model.dtype == "auto" and self.device.type == "cuda" and \
                 uses_fsdp(cfg.parallel, self.device, self.world_size):
             master_dtype = torch.float32
+        if cfg.model.lora.enabled:
+            check_peft_available()  # before the model loads
         model = load_model(cfg.model, device=self.device, dtype=master_dtype, seed=cfg.seed)
         check_plain_head(model)  # logits must be hidden @ lm_head.weight.T, checked before any step
+        if cfg.model.lora.enabled:  # adapters on the frozen base; only they train and reach the optimizer
+            model = apply_lora(model, cfg.model.lora)
         self.model = parallelize_model(model, cfg.parallel, device=self.device, world_size=self.world_size)
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
+        self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=o.lr, betas=tuple(o.betas),
                                            weight_decay=o.weight_decay)
         self.total_updates = total_updates
         self.scheduler = build_scheduler(self.optimizer, warmup_steps=o.warmup_steps, total_steps=total_updates,
@@ -189,6 +194,8 @@ class TrainingLoop:
             self._save()
             if cfg.checkpoint.export_hf:
                 ckpt.export_hf(self.run_dir / "final", model=self.model, tokenizer=self.tokenizer)
+            if cfg.checkpoint.export_merged:
+                ckpt.export_merged(self.run_dir / "final_merged", model=self.model, tokenizer=self.tokenizer)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)

@@ -19,6 +19,7 @@ from fastgrpo.episodes import Episodes, collect_episodes, record_metrics
 from fastgrpo.evaluate import evaluate
 from fastgrpo.loop import TrainingLoop, build_scheduler  # noqa: F401 (build_scheduler: public here too)
 from fastgrpo.metrics import StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
+from fastgrpo.lora import AdapterDisabled
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
 from fastgrpo.parallelize import parallelize_model
 from fastgrpo.rewards import RewardRunner, check_reward_columns
@@ -55,7 +56,9 @@ class Trainer(TrainingLoop):
         self.tokenizer = load_tokenizer(cfg.model, seed=cfg.seed)
         self._init_model(total_updates=cfg.max_steps * cfg.grpo.num_iterations)
         self.ref_model = None
-        if cfg.grpo.beta > 0:  # the frozen reference, sharded the same way, forward only
+        if cfg.grpo.beta > 0 and cfg.model.lora.enabled:  # the base model: the same module, adapters off
+            self.ref_model = AdapterDisabled(self.model)
+        elif cfg.grpo.beta > 0:  # the frozen reference, sharded the same way, forward only
             ref = load_model(cfg.model, device=self.device, seed=cfg.seed).eval().requires_grad_(False)
             self.ref_model = parallelize_model(ref, cfg.parallel, device=self.device, world_size=self.world_size)
 

@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from fastgrpo import distributed as fdist  # noqa: E402
-from fastgrpo.config import GRPOConfig, ParallelConfig, RolloutConfig  # noqa: E402
+from fastgrpo.config import GRPOConfig, LoraConfig, ParallelConfig, RolloutConfig  # noqa: E402
+from fastgrpo.lora import AdapterDisabled, apply_lora  # noqa: E402
 from fastgrpo.metrics import StepMetrics  # noqa: E402
 from fastgrpo.packing import partition_balanced, plan_microbatches  # noqa: E402
 from fastgrpo.parallelize import parallelize_model  # noqa: E402
@@ -39,6 +40,18 @@ def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg).float().train()
 
 
+def tiny_lora(seed: int = 0) -> torch.nn.Module:
+    """tiny_qwen2 with rank-4 adapters on every linear layer; lora_B is made non-zero (peft starts it at zero) so
+    that both adapter matrices get gradients and the adapted model differs from its base."""
+    model = apply_lora(tiny_qwen2(seed), LoraConfig(rank=4, alpha=8))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
 def problem(seed: int = 0):
     """Prompts, completions and one advantage per sequence for the whole (global) batch."""
     g = torch.Generator().manual_seed(seed)
@@ -56,7 +69,7 @@ def clean_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
-def train_step(model: torch.nn.Module, seqs: list[int], *, budget: int, seed: int = 0) -> int:
+def train_step(model: torch.nn.Module, seqs: list[int], *, budget: int, seed: int = 0, beta: float = 0.0) -> int:
     """The trainer's GRPO update (dapo token weights over the global batch, SGD, no clipping) on ``seqs``
     (indices into the global batch); returns the number of micro-batches it ran.
 
@@ -66,11 +79,13 @@ def train_step(model: torch.nn.Module, seqs: list[int], *, budget: int, seed: in
     prompts, completions, advantages = problem(seed)
     batch = GRPOBatch(prompt_ids=[prompts[i] for i in seqs], completion_ids=[completions[i] for i in seqs],
                       advantages=advantages[seqs])
+    # With LoRA and beta > 0 the reference is the base model: the same module with its adapters off.
+    ref = AdapterDisabled(model) if beta > 0 else None
     mbs = grpo_update(model, batch, grpo=GRPOConfig(loss_type="dapo", max_tokens_per_microbatch=budget,
-                                                    head_backend="torch"),
+                                                    head_backend="torch", beta=beta),
                       rollout=RolloutConfig(max_completion_length=16),
-                      optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-                      max_grad_norm=0.0, metrics=StepMetrics(), device="cpu")
+                      optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
+                      max_grad_norm=0.0, metrics=StepMetrics(), device="cpu", ref_model=ref)
     return len(mbs)
 
 
@@ -85,6 +100,10 @@ SCENARIOS = {
 }
 """Run back to back in the same two processes: process start-up (importing torch) dominates the test time."""
 
+LORA_SCENARIO = (ParallelConfig(activation_checkpointing=True), "balanced")
+"""LoRA adapters (tiny_lora) with beta > 0 (reference = adapters off), activation checkpointing around peft's layers."""
+LORA_BETA = 0.1
+
 
 def split_sequences(lengths: list[int], how: str, rank: int, world: int) -> list[int]:
     if how == "balanced":
@@ -93,31 +112,31 @@ def split_sequences(lengths: list[int], how: str, rank: int, world: int) -> list
     return [last] if rank == world - 1 else [i for i in range(last) if i % (world - 1) == rank]
 
 
-def run_scenario(cfg: ParallelConfig, how: str, info: fdist.DistInfo) -> dict:
+def run_scenario(cfg: ParallelConfig, how: str, info: fdist.DistInfo, *, lora: bool = False) -> dict:
     from torch.distributed.tensor import DTensor
 
     def full(t: torch.Tensor) -> torch.Tensor:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
-    model = parallelize_model(tiny_qwen2(), cfg, device="cpu", world_size=info.world_size)
-    tied_after_shard = model.lm_head.weight is model.model.embed_tokens.weight
+    model = parallelize_model(tiny_lora() if lora else tiny_qwen2(), cfg, device="cpu", world_size=info.world_size)
+    tied_after_shard = model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
     # Budget 40 gives the ranks different bin counts, which train_step evens out.
     prompts, completions, _ = problem()
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     mine = split_sequences(lengths, how, info.rank, info.world_size)
-    count = train_step(model, mine, budget=40)
+    count = train_step(model, mine, budget=40, beta=LORA_BETA if lora else 0.0)
     own_bins = len(plan_microbatches([lengths[i] for i in mine], 40))
 
-    grads = {clean_name(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
+    grads = {clean_name(n): full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     params = {clean_name(n): full(p).detach().clone() for n, p in model.named_parameters()}
     counts = torch.tensor([own_bins, count])
     gathered = [torch.zeros_like(counts) for _ in range(info.world_size)]
     torch.distributed.all_gather(gathered, counts)
     return {
         "grads": grads, "params": params, "tied_after_shard": tied_after_shard,
-        "tied_after_step": model.lm_head.weight is model.model.embed_tokens.weight,
-        "param_type": type(model.model.embed_tokens.weight).__name__,
+        "tied_after_step": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+        "param_type": type(model.get_input_embeddings().weight).__name__,
         "offload_policy": type(model._get_fsdp_state()._fsdp_param_group.offload_policy).__name__,
         "counts": [c.tolist() for c in gathered],
     }
@@ -130,6 +149,7 @@ def main() -> None:
     torch.set_num_threads(1)
     info = fdist.init_distributed("cpu")
     results = {name: run_scenario(cfg, how, info) for name, (cfg, how) in SCENARIOS.items()}
+    results["lora"] = run_scenario(*LORA_SCENARIO, info, lora=True)
     if fdist.is_main():
         torch.save(results, args.out)
     fdist.barrier()

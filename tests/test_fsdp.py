@@ -62,6 +62,28 @@ def test_fsdp_two_ranks_match_single_process(oracle, two_ranks, scenario):
         torch.testing.assert_close(got["params"][name], params[name], rtol=1e-5, atol=1e-6, msg=f"param {name}")
 
 
+def test_lora_two_ranks_match_single_process(two_ranks):
+    """LoRA under FSDP2: frozen base and adapters sharded per block (activation checkpointing around peft's layers),
+    reference log-probs from the same module with adapters off (beta > 0); 2 ranks give the 1-process gradients,
+    only adapters have them, and the frozen base is unchanged by the step."""
+    pytest.importorskip("peft")
+    torch.set_num_threads(1)
+    model = parallelize_model(dh.tiny_lora(), ParallelConfig(), device="cpu", world_size=1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dh.train_step(model, list(range(dh.NUM_SEQS)), budget=25, beta=dh.LORA_BETA)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    got = two_ranks["lora"]
+    assert got["param_type"] == "DTensor" and got["tied_after_shard"] and got["tied_after_step"]
+    assert grads and all("lora_" in n for n in grads)  # only adapters train
+    assert got["grads"].keys() == grads.keys()
+    for name, g in grads.items():
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"grad {name}")
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) != ("lora_" in name), name  # adapters moved, the base did not
+        torch.testing.assert_close(got["params"][name], p.detach(), rtol=1e-5, atol=1e-6, msg=f"param {name}")
+
+
 def test_single_process_parallelize_keeps_a_plain_module():
     model = dh.tiny_qwen2()
     cfg = ParallelConfig(activation_checkpointing=True)

@@ -324,3 +324,43 @@ def test_truncated_importance_weights():
     torch.testing.assert_close(truncated_is_weights(sampler, sampler, cap), torch.ones(n))
     with pytest.raises(ValueError, match="same shape"):
         truncated_is_weights(trainer, sampler[:-1], cap)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LoRA policies: merged weights into the shared engine, or the adapter alone into an engine with vLLM's LoRA support
+
+
+def _lora_policy(tiny_path):
+    pytest.importorskip("peft")
+    from fastgrpo.config import LoraConfig
+    from fastgrpo.lora import apply_lora
+
+    torch.manual_seed(0)
+    base = _hf_model(tiny_path)
+    model = apply_lora(base, LoraConfig(rank=8, alpha=16))
+    with torch.no_grad():  # peft starts lora_B at zero (the policy == the base); move it so the sync matters
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model.eval()
+
+
+def _hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+@needs_vllm
+def test_lora_policy_syncs_merged_and_restores(engine, policy, tiny_path, rng):
+    lora_model = _lora_policy(tiny_path)
+    prompts = random_prompts(rng, 3)
+    sp = SamplingParams(max_tokens=6, temperature=1.0, seed=rng.randrange(1 << 30), logprobs=True)
+    try:
+        assert engine.sync_from(lora_model)
+        out = engine.generate(prompts, 2, sp)
+        assert max_logprob_gap(lora_model, prompts, out, 1.0) < 2e-3  # the engine samples the adapted policy
+        assert max_logprob_gap(policy, prompts, out, 1.0) > 1e-2
+    finally:
+        engine.update_weights(iter_full_tensors(policy))  # the module's engine serves the plain policy again
+    assert max_logprob_gap(policy, prompts, engine.generate(prompts, 2, sp), 1.0) < 2e-3

@@ -85,11 +85,11 @@ class RolloutEngine(abc.ABC):
     def sync_from(self, model: nn.Module) -> bool:
         """Make the engine sample from ``model``'s current weights; returns whether weights were copied.
 
-        Default: :meth:`update_weights` with the full tensors (FSDP2 shards gathered). Engines that generate
-        with the policy module itself override this with a no-op."""
-        from fastgrpo.rollout.weight_sync import iter_full_tensors
+        Default: :meth:`update_weights` with the full tensors (FSDP2 shards gathered; LoRA adapters merged in).
+        Engines that generate with the policy module itself override this with a no-op."""
+        from fastgrpo.rollout.weight_sync import iter_policy_tensors
 
-        self.update_weights(iter_full_tensors(model))
+        self.update_weights(iter_policy_tensors(model))
         return True
 
     @abc.abstractmethod

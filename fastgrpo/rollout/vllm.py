@@ -17,6 +17,10 @@ Departures from a plain ``vllm.LLM``, each for a reason:
   (its KV entries were computed with the old weights). On CPU each bucket goes through vLLM's
   ``reload_weights`` (it re-runs the CPU backend's weight repacking, which a bare ``load_weights`` skips); with
   tied embeddings the CPU backend's prepacked lm_head is rebuilt too, because vLLM only reloads the embedding.
+- LoRA policies (``fastgrpo.lora``): by default the engine receives merged weights (``W + scale * B @ A``, one layer
+  at a time, the policy untouched) and decodes a plain model. With ``lora_rank > 0`` (``rollout.lora_sync=adapter``)
+  it runs vLLM's LoRA support instead: a sync writes the adapters (a few MB) to a folder of this rank and loads
+  them as a new LoRA id; every generate() applies it.
 - CPU: vLLM re-seeds the global torch RNG and replaces ``torch.set_num_threads`` while it builds; both are
   restored so the trainer in the same process is unaffected. Generation runs with one torch thread (vLLM's
   serving setting: on a small CPU two threads made decoding several times slower), then the trainer's count
@@ -66,6 +70,8 @@ _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                    "vllm.model_executor.model_loader.reload.inplace")
 
 _GIB = 1 << 30
+
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
 
 
 def check_vllm_available() -> None:
@@ -200,6 +206,8 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: skip vLLM's torch.compile / CUDA graphs (faster start, slower decode; tests use it).
         weight_loader: 'auto' ('reload' on CPU, 'load' on CUDA), 'reload' (``reload_weights`` RPC) or 'load'
             (``model.load_weights`` on the worker, unquantized CUDA models).
+        lora_rank: 0 = LoRA policies are synced merged; r > 0 = the engine serves one LoRA adapter of rank <= r
+            and :meth:`sync_from` sends a LoRA policy's adapters only.
 
     Attributes:
         last_sync_seconds, last_sync_bytes: wall time and bytes of the latest :meth:`update_weights`.
@@ -210,7 +218,7 @@ class VLLMEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, sleep_level: int = 1, sync_bucket_mb: int = 512,
                  dtype: str = "auto", rank: int = 0, world_size: int = 1, enforce_eager: bool = False,
-                 weight_loader: str = "auto"):
+                 weight_loader: str = "auto", lora_rank: int = 0):
         # 1. Arguments (cheap, before anything is imported or allocated).
         if not 0 < gpu_memory_utilization < 1:
             raise ValueError(f"rollout.gpu_memory_utilization: must be in (0, 1), got {gpu_memory_utilization}")
@@ -222,6 +230,8 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"rollout.max_model_len: must be >= 2 or None, got {max_model_len}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if lora_rank < 0:
+            raise ValueError(f"lora_rank: must be >= 0, got {lora_rank}")
         if weight_loader not in ("auto", *_WEIGHT_LOADERS):
             raise ValueError(f"weight_loader: must be auto, reload or load, got {weight_loader!r}")
         if world_size > 1 and (os.environ.get("WORLD_SIZE") != str(world_size)
@@ -287,6 +297,13 @@ class VLLMEngine(RolloutEngine):
         )
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        self.lora_rank = lora_rank
+        self._lora_request = None
+        self._lora_dir: str | None = None
+        if lora_rank:
+            # vLLM sizes its LoRA buffers by max_lora_rank, which must be one of its supported ranks.
+            kwargs.update(enable_lora=True, max_loras=1,
+                          max_lora_rank=min((r for r in _VLLM_LORA_RANKS if r >= lora_rank), default=lora_rank))
         with _preserve_process_state():
             self.llm = vllm.LLM(model_path, **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -313,7 +330,12 @@ class VLLMEngine(RolloutEngine):
             max_model_len = setup.prompt_token_bound() + r.max_completion_length
             if text_cfg.get("max_position_embeddings"):
                 max_model_len = min(max_model_len, int(text_cfg["max_position_embeddings"]))
-        return cls(model_path, tokenizer=setup.tokenizer, seed=setup.seed + setup.rank,
+        from fastgrpo.lora import is_lora
+
+        lora_rank = 0
+        if r.lora_sync == "adapter" and is_lora(setup.model):
+            lora_rank = max(c.r for c in setup.model.peft_config.values())
+        return cls(model_path, tokenizer=setup.tokenizer, seed=setup.seed + setup.rank, lora_rank=lora_rank,
                    gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=max_model_len,
                    enable_prefix_caching=r.enable_prefix_caching, sleep_level=r.sleep_level,
                    sync_bucket_mb=r.sync_bucket_mb, rank=setup.rank, world_size=setup.world_size,
@@ -349,7 +371,7 @@ class VLLMEngine(RolloutEngine):
         ) for b in range(len(prompts))]
         requests = [self._tokens_prompt(prompt_token_ids=list(p)) for p in prompts]
         with self._generation_threads():
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request)
         samples = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]  # [B * n]
         texts = self.tokenizer.batch_decode([list(c.token_ids) for c in samples], skip_special_tokens=True)
         flat = [self._completion(c, text, sampling.logprobs) for c, text in zip(samples, texts)]
@@ -404,6 +426,43 @@ class VLLMEngine(RolloutEngine):
         self.last_sync_seconds = time.perf_counter() - start
         self.last_sync_bytes = sent
 
+    def sync_from(self, model: torch.nn.Module) -> bool:
+        """Merged weights (the default), or with ``lora_rank > 0`` and a LoRA policy its adapters only."""
+        from fastgrpo.lora import is_lora
+
+        if self.lora_rank and is_lora(model):
+            self.update_adapter(model)
+            return True
+        return super().sync_from(model)
+
+    def update_adapter(self, model: torch.nn.Module) -> None:
+        """Send a LoRA policy's adapters: gather them (a collective under FSDP), write a peft folder of this rank,
+        load it as a new LoRA id (the previous one is removed) and reset the prefix cache."""
+        import tempfile
+
+        from fastgrpo.rollout.weight_sync import iter_full_tensors
+
+        start = time.perf_counter()
+        if "weights" in self._sleeping:
+            self.llm.wake_up(tags=["weights"])
+            self._sleeping.discard("weights")
+        adapters = {name: t for name, t in iter_full_tensors(model) if ".lora_" in name}
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix=f"fastgrpo_lora_rank{self.rank}_")
+        model.save_pretrained(self._lora_dir, state_dict=adapters, safe_serialization=True)
+        from vllm.lora.request import LoRARequest
+
+        old = self._lora_request
+        new_id = 1 if old is None else old.lora_int_id + 1
+        self._lora_request = LoRARequest(f"policy{new_id}", new_id, self._lora_dir)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+        self.llm.llm_engine.add_lora(self._lora_request)  # loads now, so the load is part of the sync time
+        self.llm.reset_prefix_cache()
+        self._synced_since_sleep = True
+        self.last_sync_seconds = time.perf_counter() - start
+        self.last_sync_bytes = sum(tensor_bytes(t) for t in adapters.values())
+
     def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in named_tensors:
             name = clean_param_name(name)
@@ -444,3 +503,7 @@ class VLLMEngine(RolloutEngine):
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+        if getattr(self, "_lora_dir", None) is not None:
+            import shutil
+
+            shutil.rmtree(self._lora_dir, ignore_errors=True)

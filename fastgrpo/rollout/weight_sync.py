@@ -21,7 +21,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["bucket_by_layer", "clean_param_name", "iter_full_tensors", "layer_key", "tensor_bytes"]
+__all__ = ["bucket_by_layer", "clean_param_name", "iter_full_tensors", "iter_policy_tensors", "layer_key",
+           "tensor_bytes"]
 
 # Wrappers that insert a level into parameter names but not into the checkpoint's names.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -69,6 +70,19 @@ def iter_full_tensors(model: nn.Module, *, dtype: torch.dtype | None = None
         if dtype is not None:
             t = t.to(dtype)
         yield clean_param_name(name), t
+
+
+def iter_policy_tensors(model: nn.Module, *, dtype: torch.dtype | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy as a Hugging Face model sees it: :func:`iter_full_tensors`, and for a LoRA model the base
+    names with the adapters merged in, one layer at a time (:func:`fastgrpo.lora.merged_tensors`)."""
+    from fastgrpo.lora import is_lora, merged_tensors
+
+    if not is_lora(model):
+        yield from iter_full_tensors(model, dtype=dtype)
+        return
+    for name, t in merged_tensors(model, iter_full_tensors(model)):
+        yield name, t if dtype is None else t.to(dtype)
 
 
 def bucket_by_layer(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int

@@ -1,0 +1,176 @@
+"""LoRA through peft: adapters on the policy, the base model as the reference, merged tensors for engines and export.
+
+Legend: H_in / H_out a linear layer's input / output size, r the adapter rank.
+
+With ``model.lora.rank > 0`` the loaded ``*ForCausalLM`` is wrapped by :func:`apply_lora` (``peft.get_peft_model``):
+every targeted ``nn.Linear`` becomes a peft ``lora.Linear`` holding the frozen ``base_layer`` and two trainable
+matrices ``lora_A`` [r, H_in] and ``lora_B`` [H_out, r]; its output is ``base(x) + scale * B(A(dropout(x)))`` with
+``scale = alpha / r``. Everything else in fastgrpo is unchanged:
+
+- ``parallelize_model`` finds the blocks through peft's attribute forwarding (``model.get_decoder()``), so FSDP2
+  shards each block's frozen base weights and adapters together, with the same mixed-precision policy;
+- the packed forward and the fused head run as before: the head (``lm_head``) is never an adapter target, so the
+  kernels see the base ``lm_head.weight``, frozen (``requires_grad=False``);
+- the reference policy is the same module with the adapters switched off (:class:`AdapterDisabled`), so
+  ``beta > 0`` loads no second model;
+- engines with their own copy of the weights (vLLM) and the merged export receive Hugging Face names and merged
+  weights ``W + scale * B @ A``, computed one layer at a time (:func:`merged_tensors`). The policy's own weights are
+  never merged in place: merging and unmerging float weights would change their bits, and with them the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from fastgrpo.config import LoraConfig
+
+__all__ = ["AdapterDisabled", "apply_lora", "check_peft_available", "is_lora", "merged_tensors",
+           "trainable_parameters"]
+
+_INSTALL_HINT = "model.lora needs peft, which is not installed: pip install fastgrpo[lora]  (or peft>=0.17)"
+
+# The parts peft adds to a parameter's name: the wrapper prefix and the frozen layer inside a LoRA layer.
+_PEFT_PREFIX = "base_model.model."
+_BASE_LAYER = ".base_layer"
+
+
+def check_peft_available() -> None:
+    """Cheap check (no import), run before any model loads: ImportError saying what to install."""
+    if importlib.util.find_spec("peft") is None:
+        raise ImportError(_INSTALL_HINT)
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
+    """Wrap ``model`` in a peft ``PeftModel`` with adapters per ``cfg``; only the adapters require gradients.
+
+    The adapters are created with the current torch RNG (lora_A random, lora_B zero: the wrapped model starts
+    exactly equal to the base). Raises ValueError naming ``model.lora.target_modules`` when nothing matches.
+    """
+    check_peft_available()
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets: Any = cfg.target_modules
+    if targets == ["all-linear"]:
+        targets = "all-linear"  # peft's own shorthand: every nn.Linear but the output layer
+    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha if cfg.alpha is not None else 2 * cfg.rank,
+                              lora_dropout=cfg.dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    try:
+        peft_model = get_peft_model(model, peft_cfg)
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        raise ValueError(f"model.lora.target_modules: {e}") from e
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if isinstance(peft_model.get_output_embeddings(), BaseTunerLayer):
+        raise ValueError("model.lora.target_modules: the output layer (lm_head) cannot take an adapter: the fused "
+                         "head kernels read lm_head.weight, which would bypass it")
+    if not any(p.requires_grad for p in peft_model.parameters()):
+        raise ValueError(f"model.lora.target_modules: {cfg.target_modules} matched no linear layer")
+    return peft_model
+
+
+def is_lora(model: nn.Module) -> bool:
+    """Whether ``model`` is a peft-wrapped policy (also after ``parallelize_model``)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer updates: the adapters under LoRA, every parameter otherwise."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class AdapterDisabled:
+    """The reference policy of a LoRA run: ``packed_forward`` of the same (parallelized) model with the adapters
+    switched off, i.e. the base model. Duck-types the ``packed_forward`` that the update's log-prob passes call."""
+
+    def __init__(self, model: nn.Module) -> None:
+        if not is_lora(model):
+            raise TypeError("AdapterDisabled needs a peft-wrapped model (fastgrpo.lora.apply_lora)")
+        self.model = model
+
+    def packed_forward(self, mb, head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+        with adapters_disabled(self.model):
+            return self.model.packed_forward(mb, head)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its base model: every LoRA layer skips its adapters, and no ``requires_grad`` flag changes.
+
+    Why not peft's ``disable_adapter()``: it also sets the adapters' ``requires_grad`` to False (and back on exit).
+    Under FSDP2 the last block stays unsharded after forward, and its unsharded adapter parameters kept the flag
+    into the next, training, forward: their gradients came out wrong or missing (caught by the 1-vs-2-rank test).
+    So only the layers' disabled switch (peft's ``BaseTunerLayer._disable_adapters``, read by every LoRA forward)
+    is flipped.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers or not all(hasattr(m, "_disable_adapters") for m in layers):
+        raise RuntimeError("fastgrpo.lora: this peft version has no BaseTunerLayer._disable_adapters switch; "
+                           "install peft==0.21.2 (pip install fastgrpo[lora])")
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, before):
+            m._disable_adapters = was
+
+def hf_name(name: str) -> str:
+    """A peft parameter name -> the base model's Hugging Face name (``...q_proj.base_layer.weight`` ->
+    ``...q_proj.weight``). Adapter names (``lora_A``/``lora_B``) are returned with the prefix removed only."""
+    if name.startswith(_PEFT_PREFIX):
+        name = name[len(_PEFT_PREFIX):]
+    return name.replace(_BASE_LAYER + ".", ".")
+
+
+def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Hugging Face module name (``model.layers.0.self_attn.q_proj``) -> its peft LoRA layer."""
+    from peft.tuners.lora import LoraLayer
+
+    from fastgrpo.rollout.weight_sync import clean_param_name
+
+    return {hf_name(clean_param_name(n)): m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merged_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Turn a stream of a LoRA model's ``(name, full tensor)`` (``weight_sync.iter_full_tensors``) into the base
+    model's Hugging Face names and merged weights: ``W + scale * B @ A`` for each adapted layer, other tensors
+    unchanged.
+
+    A layer's frozen weight is held until its two adapter matrices arrive (peft registers them right after it), so
+    at most one layer's tensors are held; the merged weight is a new tensor, computed in float32 and cast back.
+    """
+    layers = _lora_layers(model)
+    held: dict[str, dict[str, torch.Tensor]] = {}  # module name -> {"W": .., "A": .., "B": ..}
+    for name, t in named_tensors:
+        name = hf_name(name)
+        module, _, leaf = name.rpartition(".")
+        if ".lora_A." in name or ".lora_B." in name:
+            module = name.split(".lora_")[0]
+            held.setdefault(module, {})["A" if ".lora_A." in name else "B"] = t
+        elif leaf == "weight" and module in layers:
+            held.setdefault(module, {})["W"] = t
+        else:
+            yield name, t
+            continue
+        parts = held[module]
+        if len(parts) == 3:
+            del held[module]
+            layer = layers[module]
+            (adapter,) = layer.active_adapters
+            scale = layer.scaling[adapter]
+            w = parts["W"]
+            delta = parts["B"].float() @ parts["A"].float()  # [H_out, r] @ [r, H_in]
+            yield f"{module}.weight", (w.float() + scale * delta).to(w.dtype)
+    if held:
+        raise ValueError(f"LoRA merge: layers {sorted(held)} lack their weight or an adapter matrix")
+

@@ -1,0 +1,157 @@
+"""LoRA (fastgrpo.lora): adapter-only updates, the base model as reference, merged tensors, adapter checkpoints and
+export. The 1-vs-2-rank FSDP2 check is in test_fsdp.py (test_lora_two_ranks_match_single_process)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import dist_helpers as dh  # tests/ is on sys.path (pytest rootdir-relative import)
+from fastgrpo import lora
+from fastgrpo.config import ConfigError, LoraConfig, ParallelConfig, load_config
+from fastgrpo.kernels import linear_logprobs
+from fastgrpo.parallelize import parallelize_model
+from fastgrpo.rollout.weight_sync import iter_policy_tensors
+from fastgrpo.update import packed_logprobs, plan_packed
+
+pytest.importorskip("peft")
+
+
+def _logprobs(model, ref: bool = False) -> torch.Tensor:
+    prompts, completions, _ = dh.problem()
+    mbs = plan_packed(prompts, completions, 25, device="cpu")
+    n = sum(len(c) for c in completions)
+    target = lora.AdapterDisabled(model) if ref else model
+    return packed_logprobs(target, mbs, n, temperature=1.0, backend="torch")
+
+
+@pytest.fixture
+def lora_model():
+    torch.set_num_threads(1)
+    return parallelize_model(dh.tiny_lora(), ParallelConfig(), device="cpu", world_size=1)
+
+
+def test_step_changes_only_adapters_and_reference_is_the_base_model(lora_model):
+    base = parallelize_model(dh.tiny_qwen2(), ParallelConfig(), device="cpu", world_size=1)
+    base_lp = _logprobs(base)
+    assert torch.equal(_logprobs(lora_model, ref=True), base_lp)  # adapters off == the base model, bit for bit
+    assert not torch.allclose(_logprobs(lora_model), base_lp)  # adapters on: another policy
+    trainable = {n for n, p in lora_model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+
+    before = {n: p.detach().clone() for n, p in lora_model.named_parameters()}
+    dh.train_step(lora_model, list(range(dh.NUM_SEQS)), budget=25, beta=dh.LORA_BETA)
+    for n, p in lora_model.named_parameters():
+        assert torch.equal(p, before[n]) == (n not in trainable), n
+    assert torch.equal(_logprobs(lora_model, ref=True), base_lp)  # the reference did not move
+    assert all(p.requires_grad == (n in trainable) for n, p in lora_model.named_parameters())
+
+
+def test_merged_tensors_equal_peft_merge_and_unload(lora_model):
+    merged = dict(iter_policy_tensors(lora_model))
+    expected = dh.tiny_lora().merge_and_unload().state_dict()
+    assert "lm_head.weight" not in merged  # tied: streamed once, as model.embed_tokens.weight
+    expected.pop("lm_head.weight")
+    assert merged.keys() == expected.keys()
+    for k, v in expected.items():
+        torch.testing.assert_close(merged[k], v, rtol=1e-6, atol=1e-6, msg=k)
+    names = list(merged)
+    assert names.index("model.layers.0.self_attn.q_proj.weight") < names.index("model.layers.1.self_attn.q_proj.weight")
+
+
+def test_export_adapter_loads_with_peft_and_merged_with_transformers(lora_model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from fastgrpo import checkpoint as ckpt
+    from fastgrpo.model import load_tokenizer
+
+    tok = load_tokenizer(load_config(None, ["model.name_or_path=tiny"]).model)
+    dh.train_step(lora_model, list(range(dh.NUM_SEQS)), budget=25)
+    want = _logprobs(lora_model)
+    ckpt.export_hf(tmp_path / "final", model=lora_model, tokenizer=tok)
+    assert (tmp_path / "final" / "adapter_config.json").is_file()
+    assert not (tmp_path / "final" / "model.safetensors").exists()  # adapters only
+    loaded = PeftModel.from_pretrained(dh.tiny_qwen2(), tmp_path / "final")
+    loaded = parallelize_model(loaded, ParallelConfig(), device="cpu", world_size=1)
+    torch.testing.assert_close(_logprobs(loaded), want, rtol=0, atol=1e-5)
+
+    ckpt.export_merged(tmp_path / "merged", model=lora_model, tokenizer=tok)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="sdpa").float()
+    merged = parallelize_model(merged, ParallelConfig(), device="cpu", world_size=1)
+    torch.testing.assert_close(_logprobs(merged), want, rtol=0, atol=1e-4)
+
+
+def test_checkpoint_holds_adapters_and_their_optimizer_state_only(lora_model, tmp_path):
+    from fastgrpo import checkpoint as ckpt
+
+    opt = torch.optim.AdamW(lora.trainable_parameters(lora_model), lr=1e-2)
+    lora_model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()
+    path = ckpt.save_checkpoint(tmp_path, 1, model=lora_model, optimizer=opt, trainer_state={"step": 1}, keep_last=1)
+    import torch.distributed.checkpoint as dcp
+
+    keys = set(dcp.FileSystemReader(str(path / "model_optim")).read_metadata().state_dict_metadata)
+    model_keys = {k for k in keys if k.startswith("model.")}
+    assert model_keys and all("lora_" in k for k in model_keys)  # no frozen base weight
+    assert any(k.startswith("optim.state.") for k in keys)
+
+    fresh = parallelize_model(dh.tiny_lora(), ParallelConfig(), device="cpu", world_size=1)
+    with torch.no_grad():  # make the restored values observable
+        for p in lora.trainable_parameters(fresh):
+            p.zero_()
+    opt2 = torch.optim.AdamW(lora.trainable_parameters(fresh), lr=1e-2)
+    ckpt.load_checkpoint(path, model=fresh, optimizer=opt2)
+    for (n, a), b in zip(lora_model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), n
+    sa, sb = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
+
+
+def test_config_checks_and_missing_peft_message(monkeypatch):
+    with pytest.raises(ConfigError, match="model.lora.rank"):
+        load_config(None, ["model.lora.rank=-1"])
+    with pytest.raises(ConfigError, match="model.lora.dropout"):
+        load_config(None, ["model.lora.rank=4", "model.lora.dropout=1.0"])
+    with pytest.raises(ConfigError, match="checkpoint.export_merged"):
+        load_config(None, ["checkpoint.export_merged=true"])
+    cfg = load_config(None, ["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"])
+    assert cfg.model.lora.enabled and cfg.model.lora.target_modules == ["q_proj", "v_proj"]
+    with pytest.raises(ValueError, match="model.lora.target_modules"):
+        lora.apply_lora(dh.tiny_qwen2(), LoraConfig(rank=2, target_modules=["no_such_proj"]))
+    from transformers import AutoModelForCausalLM
+
+    untied = AutoModelForCausalLM.from_config(dh.tiny_qwen2().config.__class__(
+        **{**dh.tiny_qwen2().config.to_dict(), "tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match="lm_head"):
+        lora.apply_lora(untied, LoraConfig(rank=2, target_modules=["q_proj", "lm_head"]))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    with pytest.raises(ImportError, match=r"pip install fastgrpo\[lora\]"):
+        lora.check_peft_available()
+
+
+def test_sigkill_mid_step_then_resume_matches_uninterrupted_lora_run(tmp_path):
+    """The full-weight kill-and-resume test, with adapters: the exported adapters end bit-equal."""
+    import signal
+
+    from safetensors.torch import load_file
+    from test_trainer import TOY, _cli
+
+    common = TOY + [f"output_dir={tmp_path}", "max_steps=3", "checkpoint.every=1", "checkpoint.export_hf=true",
+                    "rollout.max_completion_length=3", "grpo.prompts_per_step=4", "grpo.num_generations=4",
+                    "model.lora.rank=4", "grpo.beta=0.05"]
+    ref = _cli(common + ["name=straight"])
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    killed = _cli(common + ["name=killed"], {"FASTGRPO_FAULT_KILL_AT_STEP": "3"})
+    assert killed.returncode == -signal.SIGKILL
+    resumed = _cli(common + ["name=killed"])
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-2000:]
+    a = load_file(tmp_path / "straight" / "final" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "killed" / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in a.items() if "lora_B" in k)  # it trained
