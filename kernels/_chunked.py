@@ -13,8 +13,8 @@ Two uses share one chunk step (``_chunk_logprobs``: product 1, then the softmax'
     the stored gradients.
 
 A loss-pass chunk, everything in one ``[C, V]`` float32 buffer ``x``, in place:
-  1. ``x = (h / T) @ W.T``                               product 1
-  2. ``x <- exp(x - max)``; ``s = sum``; lse, logp     ``p = x / s``
+  1. ``x = (h * log2(e) / T) @ W.T``                   product 1 (base-2 logits: exp2 is half the cost of exp)
+  2. ``x <- exp2(x - max)``; ``s = sum``; lse, logp    ``p = x / s``
   3. ``x <- x * (-g / T / s)``, ``x[target] += g / T``  ``g = token_weight * dl/dlogp`` (``_token_grad``)
   4. ``grad_hidden[rows] = x @ W``                       product 2
   5. ``grad_weight += x.T @ h``                          product 3, into the gradient itself
@@ -48,6 +48,8 @@ _MAX_BUDGET_BYTES = 512 << 20
 _MIN_ROWS = 256
 _NV_SHARE = 5  # the buffer stays within 1 / _NV_SHARE of an [N, V] float32 tensor
 _BLOCK_ROWS = 16  # rows per temporary on the entropy paths
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,21 +84,27 @@ def _select(mask: torch.Tensor | None, n: int, device) -> torch.Tensor:
     return mask.nonzero().squeeze(1)  # [K], host sync (see module docstring)
 
 
+def _logits2(x, h, w32, inv_temp):
+    """Product 1 into ``x [c, V]``: the logits in base 2, ``z * log2(e)``. The scale is applied to ``h [c, H]``
+    (free), and base 2 makes every exponential an ``exp2``, half the cost of ``exp`` on a CPU."""
+    torch.mm(h * (inv_temp * _LOG2E), w32.T, out=x)
+
+
 def _chunk_logprobs(x, h, w32, tgt, inv_temp):
     """Product 1 into ``x [c, V]``, then ``x <- exp(z - max z)`` in place. Returns ``(logp, lse, s)``: ``[c]``
     each, and ``s [c, 1]`` with ``softmax(z) = x / s``.
 
     Written out rather than ``torch.log_softmax`` / ``softmax`` (whose CPU kernels sum each row in order, which
-    loses about 1e-5 relative over 150k entries; ``sum`` here adds pairwise, 1e-7), and cheaper: one exp per
+    loses about 1e-5 relative over 150k entries; ``sum`` here adds pairwise, 1e-7), and cheaper: one exp2 per
     entry and five passes in all, the buffer written twice.
     """
-    torch.mm(h if inv_temp == 1.0 else h * inv_temp, w32.T, out=x)  # z [c, V]
-    z_t = x.gather(1, tgt[:, None])  # [c, 1]
-    m = x.amax(1, keepdim=True)  # [c, 1]
-    x.sub_(m).exp_()  # e = exp(z - m), in (0, 1]
+    _logits2(x, h, w32, inv_temp)  # z2 = z * log2(e)  [c, V]
+    z2_t = x.gather(1, tgt[:, None])  # [c, 1]
+    m2 = x.amax(1, keepdim=True)  # [c, 1]
+    x.sub_(m2).exp2_()  # e = exp(z - max z), in (0, 1]
     s = x.sum(1, keepdim=True)  # [c, 1], >= 1
-    lse = m + s.log()  # [c, 1]
-    return (z_t - lse).squeeze(1), lse.squeeze(1), s
+    lse2 = m2 + s.log2()  # [c, 1]
+    return ((z2_t - lse2) * _LN2).squeeze(1), (lse2 * _LN2).squeeze(1), s
 
 
 def _entropy(e, s):
@@ -167,17 +175,17 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
         x = buf[:idx.numel()]
         h = hidden.index_select(0, idx).float()  # [c, H]
         tgt = targets[idx, None].long()
-        torch.mm(h if inv_temp == 1.0 else h * inv_temp, w32.T, out=x)  # product 1 again: z [c, V]
-        x.sub_(lse[idx, None])  # log p
+        _logits2(x, h, w32, inv_temp)  # product 1 again: z2 [c, V]
+        x.sub_(lse[idx, None] * _LOG2E)  # log2 p
         g_c = g[idx, None]  # [c, 1]
         if g_entropy is None:
-            x.exp_().mul_(-g_c)
+            x.exp2_().mul_(-g_c)
         else:  # x <- p * (-g - g_ent * (log p + entropy)), block by block (p needs a temporary)
             ge_c, ent_c = g_entropy[idx, None], (lse - sum_pz)[idx, None]
             for r in range(0, x.shape[0], _BLOCK_ROWS):
                 blk, sl = x[r:r + _BLOCK_ROWS], slice(r, r + _BLOCK_ROWS)
-                p = blk.exp()
-                blk.add_(ent_c[sl]).mul_(-ge_c[sl]).sub_(g_c[sl]).mul_(p)
+                p = blk.exp2()
+                blk.mul_(_LN2).add_(ent_c[sl]).mul_(-ge_c[sl]).sub_(g_c[sl]).mul_(p)
         x.scatter_add_(1, tgt, g_c)  # dX [c, V]
         grad_hidden.index_copy_(0, idx, x @ w32)  # product 2
         grad_weight.addmm_(x.T, h)  # product 3
@@ -204,27 +212,38 @@ def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprob
     logp, entropy = torch.zeros(n, **f32), torch.zeros(n, **f32)  # [N]
     grad_hidden = torch.zeros(hidden.shape, **f32) if need_grad_hidden else None  # [N, H]
     grad_w32 = None  # [V, H], created by the first product 3
+    token_kw = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta)
     counted = token_weights != 0  # [N]
     moving = counted if beta != 0.0 else counted & (advantages != 0)  # rows with a possibly nonzero gradient
     grad_rows = _select(moving, n, dev) if need_grad else torch.zeros(0, dtype=torch.long, device=dev)
     fwd_rows = _select(counted & ~moving if need_grad else counted, n, dev)
-    sel = lambda t, idx: None if t is None else t.index_select(0, idx)  # noqa: E731
+    # g depends on the logits only through the ratio (old log-probs given) and the k3 term (beta != 0); otherwise
+    # it is known before any product, and one call serves all rows instead of one per chunk.
+    g_known = old_logprobs is None and beta == 0.0
     for rows, grad in ((grad_rows, True), (fwd_rows, False)):
         buf, chunks = _chunks(rows, vocab, chunk_size)
+        if not chunks:
+            continue
+        tgt_k = targets.index_select(0, rows).long()[:, None]  # [K, 1], in row order, sliced per chunk
+        if grad:
+            per_row = [None if t is None else t.index_select(0, rows)  # [K] each
+                       for t in (advantages, token_weights, old_logprobs, ref_logprobs)]
+            g_k = _logp_grad(torch.zeros(rows.numel(), **f32), per_row, token_kw) if g_known else None
+        start = 0
         for idx in chunks:  # idx: [c]
-            x = buf[:idx.numel()]
+            c = idx.numel()
+            sl, start = slice(start, start + c), start + c
+            x, tgt = buf[:c], tgt_k[sl]
             h = hidden.index_select(0, idx).float()  # [c, H]
-            tgt = targets[idx, None].long()
             logp_c, _, s = _chunk_logprobs(x, h, w32, tgt.squeeze(1), inv_temp)  # x <- e = s * p
             logp[idx] = logp_c
             if with_entropy:
                 entropy[idx] = _entropy(x, s)
             if not grad:
                 continue
-            g_c = grpo_logp_grad(logp_c, sel(advantages, idx), sel(token_weights, idx),
-                                 old_logprobs=sel(old_logprobs, idx), ref_logprobs=sel(ref_logprobs, idx),
-                                 epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-                                 beta=beta)[:, None] * inv_temp  # [c, 1]
+            g_c = g_k[sl] if g_known else _logp_grad(logp_c, [None if t is None else t[sl] for t in per_row],
+                                                     token_kw)
+            g_c = g_c[:, None] * inv_temp  # [c, 1]
             x.mul_(-g_c / s).scatter_add_(1, tgt, g_c)  # dX = g / T * (onehot - p)
             if need_grad_hidden:
                 grad_hidden.index_copy_(0, idx, x @ w32)  # product 2
@@ -238,6 +257,11 @@ def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprob
         grad_w32 = torch.zeros(weight.shape, **f32)
     return (logp, entropy, None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_w32 is None else grad_w32.to(weight.dtype))
+
+
+def _logp_grad(logp, per_row, token_kw):
+    adv, w, old, ref = per_row
+    return grpo_logp_grad(logp, adv, w, old_logprobs=old, ref_logprobs=ref, **token_kw)
 
 
 def scale_(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
