@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kernels.py --out results/kernels.csv      # full grid, one H100, < 10 min
     python benchmarks/bench_kernels.py --quick                        # tiny shapes, CPU is fine
+    python benchmarks/bench_kernels.py --cpu --out results/kernels_cpu.csv   # CPU mode (below), float32
 
 Methods (same inputs from harness.make_inputs, bf16, DAPO-style token weights, old_logprobs = None):
   ours         fastgrpo.kernels.linear_grpo_loss, backend "auto": on CUDA the "cublas" path (gradient formed in
@@ -14,7 +15,20 @@ Methods (same inputs from harness.make_inputs, bf16, DAPO-style token weights, o
   floor        three cuBLAS matmuls: hidden @ W.T, dZ @ W, dZ.T @ hidden (what any exact method must do)
 Peak MB is CUDA max_memory_allocated above the inputs, gradients included; "over grads MB" subtracts the two
 gradients every method must return (N x H and V x H in the inputs' dtype): that is the issue's "extra memory".
-The x-floor column is each method's time over the floor's for the same shape. CPU runs do not measure memory.
+The x-floor column is each method's time over the floor's for the same shape. --quick runs do not measure memory.
+
+CPU mode (--cpu): float32 forward + backward at the issue's shape (N=4096, H=896, V=151936: Qwen2.5-0.5B's head)
+and the embedded tiny model's (H=64, V=263), methods called in turn (floor, ours, naive, ...) and repeated, so
+that load on a shared machine hits all alike; medians with the spread, and x-floor as the median of each round's
+ratio. Extra methods there:
+  trl          TRL's computation, written here from its description: full logits from the lm_head, divided by the
+               temperature, then a selective log-softmax that gathers the target logit and takes the log-sum-exp
+               one sequence ([T, V]) at a time, then the same token loss
+  ours_logprobs  fastgrpo.kernels.linear_logprobs (torch backend) with the loss's upstream gradient: the recompute
+               path (four products) that the loss path avoids
+Memory, from one untimed call per method: "peak MB" is torch's CPU allocator above the inputs (profiler events,
+as CUDA's max_memory_allocated), "RSS MB" the process's resident high-water mark above its start, "% [N,V]" the
+extra memory over the gradients as a share of one [N, V] float32 tensor.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ import argparse
 import csv
 import datetime
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,6 +58,12 @@ FULL_SHAPES = (
     + [Shape(n=n, h=h, v=151936, label=f"qwen2.5 H={h}") for h in (1536, 2048, 3584) for n in (4096, 16384, 32768)]
 )
 QUICK_SHAPES = [Shape(n=64, h=32, v=509, label="quick"), Shape(n=256, h=72, v=4231, label="quick odd")]
+CPU_SHAPES = {  # --cpu-shapes picks by key
+    "issue": Shape(n=4096, h=896, v=151936, label="issue (0.5B head)"),
+    "tiny": Shape(n=4096, h=64, v=263, label="tiny 32x128"),
+    "tiny-demo": Shape(n=1536, h=64, v=263, label="tiny 32x48"),
+}
+TRL_T = 256  # tokens per sequence in TRL's per-sequence log-sum-exp loop
 
 
 def _ours(inp, backend="auto"):
@@ -65,6 +86,25 @@ def _naive(inp):
     loss, _ = fk.reference_linear_grpo_loss(inp["hidden"], inp["weight"], inp["targets"], inp["advantages"],
                                             inp["token_weights"])
     torch.autograd.grad(loss, (inp["hidden"], inp["weight"]))
+
+
+def _ours_logprobs(inp):
+    logp = fk.linear_logprobs(inp["hidden"], inp["weight"], inp["targets"], backend="torch")
+    torch.autograd.grad((logp * inp["advantages"] * inp["token_weights"]).sum(), (inp["hidden"], inp["weight"]))
+
+
+def _trl(inp, temperature=1.0):
+    from fastgrpo.kernels.grpo_loss import grpo_token_loss
+
+    b, t_len = _liger_sequences(inp, TRL_T)
+    logits = (inp["hidden"] @ inp["weight"].T).view(b, t_len, -1)  # [B, T, V], as the model's lm_head returns it
+    logits = logits / temperature  # a second [B, T, V]
+    target_logit = logits.gather(-1, inp["targets"].view(b, t_len, 1)).squeeze(-1)  # [B, T]
+    lse = torch.stack([torch.logsumexp(seq, dim=-1) for seq in logits])  # [B, T], one sequence at a time
+    logp = (target_logit - lse).reshape(-1)  # [N]
+    per_token, _, _ = grpo_token_loss(logp, inp["advantages"], old_logprobs=None, ref_logprobs=None,
+                                      epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0)
+    torch.autograd.grad((inp["token_weights"] * per_token).sum(), (inp["hidden"], inp["weight"]))
 
 
 def _floor(inp):
@@ -129,7 +169,10 @@ METHODS = {
     "liger": _make_liger,
     "liger_triton": _make_liger_triton,
     "floor": lambda inp: _floor,
+    "trl": lambda inp: _trl,
+    "ours_logprobs": lambda inp: _ours_logprobs,
 }
+CPU_METHODS = ("floor", "ours", "naive", "trl", "liger", "ours_logprobs")
 
 
 def bench(shapes, *, device, dtype, methods, warmup, reps, zero_weight_frac, budget_s=None) -> list[dict]:
@@ -174,6 +217,59 @@ def bench(shapes, *, device, dtype, methods, warmup, reps, zero_weight_frac, bud
     return rows
 
 
+def bench_cpu(shapes, *, methods, reps, zero_weight_frac, budget_s=None) -> list[dict]:
+    """CPU mode: per shape, one untimed call per method for memory (also the warm-up), then ``reps`` rounds of
+    alternated timed calls (at least one round; none started after ``budget_s`` per shape)."""
+    from benchmarks.harness import peak_cpu_alloc_mb, peak_rss_mb, time_alternating
+
+    rows = []
+    for shape in shapes:
+        inp = make_inputs(shape, dtype=torch.float32, device="cpu", seed=0, zero_weight_frac=zero_weight_frac)
+        grads_mb = (shape.n + shape.v) * shape.h * 4 / 2**20
+        nv_mb = shape.n * shape.v * 4 / 2**20
+        fns, out = {}, {}
+        for name in methods:
+            row = out[name] = dict(label=shape.label, n=shape.n, h=shape.h, v=shape.v, method=name, s="",
+                                   spread="", x_floor="", peak_mb="", over_grads_mb="", pct_nv="", rss_mb="",
+                                   rounds=0, note="")
+            try:
+                fn = METHODS[name](inp)
+                call = (lambda f: lambda: f(inp))(fn)
+                peak = peak_cpu_alloc_mb(call)
+                row.update(peak_mb=f"{peak:.1f}", over_grads_mb=f"{peak - grads_mb:.1f}",
+                           pct_nv=f"{100 * (peak - grads_mb) / nv_mb:.1f}", rss_mb=f"{peak_rss_mb(call):.1f}")
+                fns[name] = call
+            except ImportError as exc:
+                row["note"] = f"not installed ({exc.name or exc})"
+            except Unavailable as exc:
+                row["note"] = str(exc)
+            except Exception as exc:  # a baseline's API changed: report, keep going
+                row["note"] = f"error: {type(exc).__name__}: {str(exc)[:80]}"
+            print(f"  {shape.label:>18} {name:<14} peak {row['peak_mb'] or '-':>9} MB  "
+                  f"({row['pct_nv'] or '-'} % of [N,V] over grads) {row['note']}", flush=True)
+        times = time_alternating(fns, reps=reps, budget_s=budget_s)
+        for name, ts in times.items():
+            row = out[name]
+            ratios = [t / f for t, f in zip(ts, times.get("floor", []))]
+            row.update(s=f"{statistics.median(ts):.4g}", spread=f"{min(ts):.4g}-{max(ts):.4g}", rounds=len(ts),
+                       x_floor=f"{statistics.median(ratios):.2f}" if ratios else "")
+            print(f"  {shape.label:>18} {name:<14} {row['s']:>9} s  [{row['spread']}]  x floor {row['x_floor']}",
+                  flush=True)
+        rows += out.values()
+        del inp, fns
+    return rows
+
+
+def markdown_cpu(rows: list[dict]) -> str:
+    lines = ["| shape | N | H | V | method | s (median) | spread | rounds | x floor | peak MB | over grads MB "
+             "| % of [N,V] f32 | RSS MB | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['n']} | {r['h']} | {r['v']} | {r['method']} | {r['s'] or '-'} "
+                     f"| {r['spread'] or '-'} | {r['rounds']} | {r['x_floor'] or '-'} | {r['peak_mb'] or '-'} "
+                     f"| {r['over_grads_mb'] or '-'} | {r['pct_nv'] or '-'} | {r['rss_mb'] or '-'} | {r['note']} |")
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| shape | N | H | V | method | fwd+bwd ms | x floor | peak MB | over grads MB | note |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -186,23 +282,30 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes; runs on CPU")
+    parser.add_argument("--cpu", action="store_true", help="CPU mode: float32, alternated rounds, memory per method")
+    parser.add_argument("--cpu-shapes", default=",".join(CPU_SHAPES), help="CPU mode: subset of " + ",".join(CPU_SHAPES))
     parser.add_argument("--out", type=Path, help="CSV output path")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--methods", default=None,
+                        help=f"comma-separated subset of {','.join(METHODS)} (default: all; --cpu: {','.join(CPU_METHODS)})")
     parser.add_argument("--zero-weight-frac", type=float, default=0.0, help="fraction of tokens with weight 0")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="timed calls per method (--cpu: alternated rounds)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="start no new shape after this many seconds (the rest are listed as skipped)")
+                        help="start no new shape after this many seconds (the rest are listed as skipped); "
+                             "--cpu: no new round of a shape after this many seconds")
     args = parser.parse_args(argv)
 
-    cuda = torch.cuda.is_available()
-    if not args.quick and not cuda:
-        print("bench_kernels: the full grid needs a CUDA GPU (none found); use --quick for a CPU smoke run")
+    cuda = torch.cuda.is_available() and not args.cpu
+    if not args.quick and not args.cpu and not cuda:
+        print("bench_kernels: the full grid needs a CUDA GPU (none found); use --cpu or --quick (smoke run)")
         return 2
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods_arg = args.methods or ",".join(CPU_METHODS if args.cpu else METHODS)
+    methods = [m.strip() for m in methods_arg.split(",") if m.strip()]
     unknown = set(methods) - set(METHODS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
+    if args.cpu:
+        return _main_cpu(args, methods, parser)
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
@@ -215,6 +318,29 @@ def main(argv=None) -> int:
                  zero_weight_frac=args.zero_weight_frac, budget_s=args.budget_s)
     print()
     print(markdown(rows))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("w", newline="") as f:
+            f.write(f"# {header}\n")
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return 0
+
+
+def _main_cpu(args, methods, parser) -> int:
+    keys = [k.strip() for k in args.cpu_shapes.split(",") if k.strip()]
+    unknown = set(keys) - set(CPU_SHAPES)
+    if unknown:
+        parser.error(f"unknown --cpu-shapes {sorted(unknown)}; choose from {list(CPU_SHAPES)}")
+    header = (f"device: cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads); "
+              f"torch {torch.__version__}; dtype float32; date {datetime.datetime.now().isoformat(timespec='seconds')}; "
+              f"command: {' '.join(sys.argv)}")
+    print(header, flush=True)
+    rows = bench_cpu([CPU_SHAPES[k] for k in keys], methods=methods, reps=args.reps,
+                     zero_weight_frac=args.zero_weight_frac, budget_s=args.budget_s)
+    print()
+    print(markdown_cpu(rows))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("w", newline="") as f:

@@ -20,6 +20,13 @@ attention fwd+bwd). The same useful FLOPs are used for both modes, so MFU also r
 
     python benchmarks/bench_learner.py                 # GPU: Qwen2.5-0.5B and 1.5B shapes, < 10 min on an H100
     python benchmarks/bench_learner.py --quick         # CPU smoke test with a tiny model (seconds)
+    python benchmarks/bench_learner.py --cpu-packing   # CPU: packed attention choices, alternated (below)
+
+--cpu-packing: on CPU, one float32 model per shape and the same batch, updates in alternated rounds (so that load
+on a shared machine hits all alike), each round: packed rows with "sdpa" (a dense [T, T] block-causal mask),
+packed rows with "sdpa_varlen" (sdpa per sequence, fastgrpo's CPU default), and one sequence per micro-batch
+("single", sdpa with is_causal: no mask at all). Lengths: --prompts x --generations sequences, prompts uniform in
+[100, 150] tokens, completions lognormal with mean --completion-mean capped at --completion-cap.
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ MODEL_SHAPES = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, vocab_size=257, tie_word_embeddings=True),
+    # The 108M random Qwen2 of the TRL comparison (issue 11): hidden 512, 8 layers, Qwen2.5's vocabulary.
+    "qwen2-108m": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
 }
 
 @dataclass(kw_only=True)
@@ -72,13 +82,14 @@ class Row:
     error: str = ""
 
 
-def countdown_lengths(num_prompts: int, generations: int, *, seed: int, quick: bool) -> tuple[list[int], list[int]]:
+def countdown_lengths(num_prompts: int, generations: int, *, seed: int, quick: bool, mean: float = 300.0,
+                      cap: int = 1024) -> tuple[list[int], list[int]]:
     """Prompt and completion lengths per sequence (prompt lengths repeat within a group of G)."""
     g = torch.Generator().manual_seed(seed)
     if quick:
         p_lo, p_hi, mean, cap = 4, 12, 10.0, 32
     else:
-        p_lo, p_hi, mean, cap = 100, 150, 300.0, 1024
+        p_lo, p_hi = 100, 150
     sigma = 0.6
     mu = math.log(mean) - sigma**2 / 2  # lognormal mean = exp(mu + sigma^2 / 2)
     prompts = torch.randint(p_lo, p_hi + 1, (num_prompts,), generator=g).repeat_interleave(generations)
@@ -88,6 +99,10 @@ def countdown_lengths(num_prompts: int, generations: int, *, seed: int, quick: b
 
 def build_model(name: str, attn: str, device: torch.device, dtype: torch.dtype, seed: int):
     from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from fastgrpo.model import register_with_transformers
+
+    register_with_transformers()  # "sdpa_varlen"
 
     cfg = Qwen2Config(max_position_embeddings=4096, attn_implementation=attn, **MODEL_SHAPES[name])
     torch.manual_seed(seed)
@@ -180,6 +195,50 @@ def padded_step(model, batch, device, micro_batch):
     return slots, count, check
 
 
+CPU_PACKING = {  # name -> (attention implementation, token budget per micro-batch: None = --max-tokens)
+    "packed sdpa (dense mask)": ("sdpa", None),
+    "packed sdpa_varlen": ("sdpa_varlen", None),
+    "single (one sequence per micro-batch)": ("sdpa", 1),
+}
+
+
+def cpu_packing(args) -> str:
+    """Alternated rounds of one update per CPU_PACKING choice on the same model and batch; a markdown table."""
+    import statistics
+
+    device = torch.device("cpu")
+    lengths = countdown_lengths(args.prompts, args.generations, seed=args.seed, quick=False,
+                                mean=args.completion_mean, cap=args.completion_cap)
+    lines = ["| model | choice | micro-batches | step s (median) | spread | rounds | x single | tokens/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in args.models.split(","):
+        model = build_model(name, "sdpa", device, torch.float32, args.seed)
+        batch = make_batch(*lengths, model.config.vocab_size, args.seed)
+        real = sum(lengths[0]) + sum(lengths[1])
+        times: dict[str, list[float]] = {c: [] for c in CPU_PACKING}
+        mbs_count, checks = {}, {}
+        for rnd in range(args.warmup + args.steps):
+            for choice, (attn, budget) in CPU_PACKING.items():
+                model.set_attn_implementation(attn)
+                t0 = time.perf_counter()
+                _, mbs_count[choice], check = packed_step(model, batch, device, budget or args.max_tokens)
+                if rnd >= args.warmup:
+                    times[choice].append(time.perf_counter() - t0)
+                checks.setdefault(choice, float(check))
+                model.zero_grad(set_to_none=True)  # no optimizer step: every round sees the same weights
+        ref = checks[next(iter(CPU_PACKING))]
+        for choice, check in checks.items():  # the three compute the same log-probs
+            assert abs(check - ref) <= 1e-4 * abs(ref) + 1e-6, (name, choice, check, ref)
+        single = times["single (one sequence per micro-batch)"]
+        for choice, ts in times.items():
+            ratio = statistics.median(t / s for t, s in zip(ts, single))
+            lines.append(f"| {name} | {choice} | {mbs_count[choice]} | {statistics.median(ts):.3f} | "
+                         f"{min(ts):.3f}-{max(ts):.3f} | {len(ts)} | {ratio:.2f} | {real / statistics.median(ts):,.0f} |")
+        print("\n".join(lines[-len(CPU_PACKING):]), flush=True)
+        del model
+    return "\n".join(lines)
+
+
 def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
     return override_tflops * 1e12 if override_tflops else device_peak_flops(device)
 
@@ -251,6 +310,9 @@ def parse_args(argv):
     ap.add_argument("--peak-tflops", type=float, default=None, help="override the device's dense bf16 peak")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/bench_learner", help="writes OUT.csv and OUT.md")
+    ap.add_argument("--cpu-packing", action="store_true", help="CPU: packed attention choices (module docstring)")
+    ap.add_argument("--completion-mean", type=float, default=300.0, help="mean completion length (lognormal)")
+    ap.add_argument("--completion-cap", type=int, default=1024, help="longest completion")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.prompts, args.generations = "tiny", 2, 4
@@ -260,6 +322,15 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> list[Row]:
     args = parse_args(argv)
+    if args.cpu_packing:
+        table = cpu_packing(args)
+        cmd = "python benchmarks/bench_learner.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").write_text(f"{time.strftime('%Y-%m-%d')} on cpu ({torch.get_num_threads()} threads), "
+                                          f"torch {torch.__version__}\n\n`{cmd}`\n\n{table}\n")
+        print(table)
+        return []
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lengths = countdown_lengths(args.prompts, args.generations, seed=args.seed, quick=args.quick)

@@ -7,6 +7,12 @@ Both engines get the same pre-tokenized prompts and sampling settings; tokens/s 
 (EOS included) over the wall time of one generate() call after one warm-up call. Weight sync streams the
 policy's parameters (``iter_full_tensors``) into the engine; seconds per GB is wall time / bytes sent.
 Prints a markdown table and writes it, with a CSV, under --out.
+
+    python benchmarks/bench_rollout.py --hf-vs-generate [--shape qwen2.5-0.5b] --rounds 3
+
+--hf-vs-generate: the transformers engine's decode loop against transformers' own ``model.generate`` (sampling
+with the same temperature, top_k=0 and top_p=1, so both draw from the same distribution), on the same model and
+prompts, in alternated rounds; no vLLM. Reports median seconds, tokens, and the ratio per round.
 """
 
 from __future__ import annotations
@@ -75,6 +81,54 @@ def timed_generate(engine, prompts, n, sampling) -> tuple[float, int]:
     return seconds, sum(len(c.token_ids) for row in out for c in row)
 
 
+def hf_vs_generate(model, tokenizer, prompts, n, sampling, rounds: int, batch_size: int) -> str:
+    """Alternated rounds: HFEngine.generate vs transformers' generate on the same prompts; a markdown table."""
+    import statistics
+
+    from fastgrpo.rollout.hf import HFEngine
+
+    engine = HFEngine(model, tokenizer, batch_size=batch_size)
+    seqs = [p for p in prompts for _ in range(n)]
+
+    def ours():
+        out = engine.generate(prompts, n, sampling)
+        return sum(len(c.token_ids) for row in out for c in row)
+
+    def theirs():
+        total = 0
+        for start in range(0, len(seqs), batch_size):
+            chunk = seqs[start:start + batch_size]
+            enc = tokenizer.pad({"input_ids": chunk}, return_tensors="pt").to(model.device)
+            with torch.no_grad():
+                out = model.generate(**enc, do_sample=sampling.temperature > 0, temperature=sampling.temperature or None,
+                                     top_k=0, top_p=1.0, max_new_tokens=sampling.max_tokens,
+                                     pad_token_id=tokenizer.pad_token_id)
+            new = out[:, enc["input_ids"].shape[1]:]  # [B, T]
+            eos = torch.isin(new, torch.tensor(engine.eos_ids, device=new.device))
+            total += int(torch.where(eos.any(-1), eos.int().argmax(-1) + 1, new.shape[1]).sum())
+        return total
+
+    fns = {"fastgrpo HFEngine": ours, "transformers generate": theirs}
+    for fn in fns.values():  # warm-up
+        fn()
+    secs = {k: [] for k in fns}
+    toks = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            toks[name].append(fn())
+            secs[name].append(time.perf_counter() - t0)
+    base = secs["transformers generate"]
+    lines = ["| decode loop | s (median) | spread | tokens (median) | tokens/s | x generate (per round) |",
+             "|---|---|---|---|---|---|"]
+    for name in fns:
+        s_med, t_med = statistics.median(secs[name]), statistics.median(toks[name])
+        ratio = statistics.median(a / b for a, b in zip(secs[name], base))
+        lines.append(f"| {name} | {s_med:.3f} | {min(secs[name]):.3f}-{max(secs[name]):.3f} | {t_med:.0f} | "
+                     f"{t_med / s_med:,.0f} | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="local HF folder (default: the tiny model)")
@@ -91,6 +145,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default="benchmarks/out")
+    ap.add_argument("--hf-vs-generate", action="store_true", help="HFEngine vs transformers' generate (no vLLM)")
+    ap.add_argument("--rounds", type=int, default=3, help="--hf-vs-generate: alternated rounds")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -118,6 +174,14 @@ def main() -> None:
     vocab = len(tokenizer) if args.model_path else 256  # byte tokens of the tiny tokenizer
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+    if args.hf_vs_generate:
+        table = hf_vs_generate(model, tokenizer, prompts, args.n, sampling, args.rounds, args.hf_batch_size)
+        header = (f"device: {device_name()}; model: {path.name} ({n_params / 1e6:.2f} M params, {dtype_name}); "
+                  f"{args.prompts} prompts x {args.n} samples, prompt {args.prompt_len} tokens, max_tokens "
+                  f"{args.max_tokens}, T={args.temperature}; date {datetime.date.today().isoformat()}; "
+                  f"command: python {' '.join(sys.argv)}")
+        print(header + "\n\n" + table)
+        return
 
     rows = []
     vllm_engine = VLLMEngine(path, dtype=dtype_name, max_model_len=args.prompt_len + args.max_tokens,

@@ -5,6 +5,7 @@ Shapes: N tokens, H hidden size, V vocabulary size.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -92,3 +93,77 @@ def time_fwd_bwd(fn, *, warmup: int = 2, reps: int = 5) -> tuple[float, float]:
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else float("nan")
     times.sort()
     return times[len(times) // 2], peak
+
+
+def peak_cpu_alloc_mb(fn) -> float:
+    """Peak MB held by torch's CPU allocator during ``fn()``, above the level at its start: the CPU counterpart
+    of CUDA's ``max_memory_allocated``. Read from the profiler's allocation events, so it counts every tensor,
+    an op's internal temporaries included (not MKL's own packing workspace); the profiler's overhead is a few
+    microseconds per op, so time ``fn`` in a separate call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    allocs = sorted((node.start_time_ns, node.extra_fields.alloc_size)
+                    for node in walk(prof.profiler.kineto_results.experimental_event_tree())
+                    if type(node.extra_fields).__name__ == "_ExtraFields_Allocation"
+                    and node.extra_fields.device.type == "cpu")
+    live = peak = 0
+    for _, size in allocs:
+        live += size
+        peak = max(peak, live)
+    return peak / 2**20
+
+
+def peak_rss_mb(fn) -> float:
+    """Peak resident memory of this process during ``fn()`` above its resident size at the start, in MB (Linux:
+    the kernel's high-water mark, reset first; freed heap pages are handed back first so they are not reused
+    unseen). NaN where /proc is not available."""
+    import ctypes
+
+    def kib(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM
+        base = kib("VmRSS")
+    except OSError:
+        fn()
+        return float("nan")
+    fn()
+    return (kib("VmHWM") - base) / 1024
+
+
+def time_alternating(fns: dict, *, reps: int, budget_s: float | None = None,
+                     min_sample_s: float = 0.05) -> dict[str, list[float]]:
+    """Seconds per call of each ``fns[name]()``, calls alternated (``a b c a b c ...``) so that load on a shared
+    machine hits every method alike. Stops starting rounds once ``budget_s`` is spent (at least one round).
+
+    Calls shorter than ``min_sample_s`` are repeated within a sample (the same count for every method, from one
+    call of the first) so that the clock's resolution and a single scheduler hiccup do not decide the result."""
+    first = next(iter(fns.values()), None)
+    inner = 1
+    if first is not None:
+        t0 = time.perf_counter()
+        first()
+        inner = max(1, min(1000, math.ceil(min_sample_s / max(time.perf_counter() - t0, 1e-6))))
+    times = {name: [] for name in fns}
+    t_start = time.monotonic()
+    for rep in range(reps):
+        if rep and budget_s is not None and time.monotonic() - t_start > budget_s:
+            break
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times[name].append((time.perf_counter() - t0) / inner)
+    return times

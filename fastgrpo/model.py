@@ -18,6 +18,7 @@ Legend: N tokens, H hidden size, V vocabulary size.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,9 @@ __all__ = [
     "load_tokenizer",
     "packed_head_forward",
     "packed_hidden_states",
+    "preallocated_kv_cache",
     "register_attn_backend",
+    "register_with_transformers",
     "resolve_dtype",
     "resolve_model_path",
 ]
@@ -99,6 +102,71 @@ def _position_ids_only(mb: MicroBatch) -> dict[str, Any]:
     return {}
 
 
+def _sdpa_per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function of ``"sdpa_varlen"``: causal sdpa on each sequence of a packed row.
+
+    query ``[1, Hq, T, d]``, key / value ``[1, Hkv, T, d]`` -> ``[1, T, Hq, d]``. The boundaries come from
+    ``cu_seq_lens_q`` (the packed forward passes them, as for flash-attn varlen). One dense ``[T, T]``
+    block-causal mask (what ``"sdpa"`` gets for a packed row) costs ``T^2`` per head and layer, where the
+    sequences need ``sum L_i^2``; and sdpa's CPU kernel skips the blocks above the diagonal only with
+    ``is_causal``, never for a mask. Without ``cu_seq_lens_q`` (a plain forward) the sequences start where
+    ``position_ids`` restart unless a KV cache is in use, as transformers' own packed-sequence detection has it.
+    """
+    if sliding_window is not None:
+        raise NotImplementedError("model.attn_implementation=sdpa_varlen has no sliding-window attention; use sdpa")
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        bounds = cu.tolist()  # K + 1 host ints: a copy from the device once per layer (free on CPU)
+    elif attention_mask is not None or query.shape[2] != key.shape[2]:
+        raise ValueError("model.attn_implementation=sdpa_varlen runs packed rows and unpadded sequences only, "
+                         "without a KV cache (the rollout engine decodes with sdpa)")
+    elif kwargs.get("use_cache"):  # a KV cache: transformers reads no packing from position_ids either
+        bounds = [0, query.shape[2]]
+    else:
+        bounds = _sequence_starts(kwargs.get("position_ids"), query.shape[2])
+    gqa = query.shape[1] != key.shape[1]
+    outs = [torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=True, scale=scaling,
+        enable_gqa=gqa) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]  # [1, Hq, L_i, d] each
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, Hq, T, d]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sequence_starts(position_ids: torch.Tensor | None, length: int) -> list[int]:
+    """``[0, starts..., length]``: where ``position_ids [B, T]`` restart (the same in every row)."""
+    if position_ids is None or length < 2:
+        return [0, length]
+    restart = position_ids.diff(dim=-1) != 1  # [B, T - 1]
+    if restart.shape[0] > 1 and not bool((restart == restart[:1]).all()):
+        raise ValueError("model.attn_implementation=sdpa_varlen: rows of a batch pack sequences at different "
+                         "positions; use sdpa")
+    return [0, *(restart[0].nonzero().squeeze(1) + 1).tolist(), length]
+
+
+def _sdpa_varlen_mask(*, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None, **_) -> None:
+    """transformers mask function of ``"sdpa_varlen"``: builds nothing (the attention needs only the boundaries),
+    but refuses what per-sequence causal attention would get wrong: padding, and a KV cache (decoding)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("model.attn_implementation=sdpa_varlen runs packed rows and unpadded sequences only, "
+                         "without padding (the rollout engine decodes with sdpa)")
+    if q_length != kv_length:
+        raise ValueError("model.attn_implementation=sdpa_varlen runs packed rows and unpadded sequences only, "
+                         "without a KV cache (the rollout engine decodes with sdpa)")
+    return None
+
+
+def register_with_transformers() -> None:
+    """Make fastgrpo's own attention implementations (``"sdpa_varlen"``) known to transformers; idempotent.
+    ``load_model`` calls it; call it before building a model from a config with one of them."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("sdpa_varlen", _sdpa_per_sequence)
+    AttentionMaskInterface.register("sdpa_varlen", _sdpa_varlen_mask)
+
+
 @dataclass(frozen=True, kw_only=True)
 class AttnBackend:
     """What fastgrpo needs to know about one transformers attention implementation."""
@@ -124,6 +192,8 @@ register_attn_backend("flash_attention_2", AttnBackend(check=_needs_flash_attn, 
 # flex's compiled kernels are specialised to shapes and a KV cache changes shape every token: decode with sdpa.
 register_attn_backend("flex_attention", AttnBackend(decode_with="sdpa"))
 register_attn_backend("sdpa", AttnBackend(packed_inputs=_sdpa_inputs))
+# sdpa per sequence of a packed row (see _sdpa_per_sequence): the CPU default; decoding needs sdpa's masks.
+register_attn_backend("sdpa_varlen", AttnBackend(packed_inputs=_varlen_inputs, decode_with="sdpa"))
 register_attn_backend("eager", AttnBackend())
 
 
@@ -131,14 +201,14 @@ def choose_attn_implementation(requested: str, device: torch.device | str) -> st
     """Resolve ``model.attn_implementation`` to a transformers backend name for ``device``.
 
     'auto' -> flash_attention_2 when flash-attn is installed and the device is CUDA, else flex_attention on
-    CUDA, else sdpa. An explicit name is checked (flash_attention_2 without flash-attn raises ImportError
+    CUDA, else sdpa_varlen (sdpa per sequence of a packed row: no [T, T] mask). An explicit name is checked (flash_attention_2 without flash-attn raises ImportError
     saying how to install it) and returned unchanged.
     """
     device = torch.device(device)
     if requested == "auto":
         if device.type == "cuda":
             return "flash_attention_2" if _flash_attn_installed() else "flex_attention"
-        return "sdpa"
+        return "sdpa_varlen"
     if requested not in ATTN_BACKENDS:
         raise ValueError(f"model.attn_implementation: unknown backend {requested!r} "
                          f"(auto, {', '.join(ATTN_BACKENDS)})")
@@ -238,6 +308,7 @@ def load_model(cfg: ModelConfig, *, device: torch.device | str, dtype: str | tor
     torch_dtype = resolve_dtype(dtype if dtype is not None else cfg.dtype, device)
     attn = choose_attn_implementation(cfg.attn_implementation, device)
     path = resolve_model_path(cfg, seed=seed)
+    register_with_transformers()
     # `dtype=` (transformers >= 4.56; `torch_dtype` is its deprecated alias).
     model = _from_pretrained(AutoModelForCausalLM.from_pretrained, path, "model", dtype=torch_dtype,
                              attn_implementation=attn, revision=cfg.revision,
@@ -325,6 +396,55 @@ def decoding_attn_implementation(impl: str | None) -> str | None:
     if backend is None or backend.decode_with is None:
         return impl
     return backend.decode_with
+
+
+@functools.lru_cache(maxsize=None)
+def _preallocated_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        """A DynamicLayer whose keys / values live in buffers sized for the whole generation: ``update`` writes the
+        new tokens in place and exposes the filled prefix as a view, where DynamicLayer concatenates (a copy of
+        the whole cache per layer and token)."""
+
+        def __init__(self, max_length: int):
+            super().__init__()
+            self.max_length = max_length
+
+        def lazy_initialization(self, key_states, value_states):  # [B, Hkv, T, d] each
+            self.dtype, self.device = key_states.dtype, key_states.device
+            b, h = key_states.shape[:2]
+            self._k = key_states.new_empty(b, h, self.max_length, key_states.shape[-1])
+            self._v = value_states.new_empty(b, h, self.max_length, value_states.shape[-1])
+            self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
+            if end > self.max_length:
+                raise ValueError(f"preallocated KV cache: {end} tokens do not fit in {self.max_length}")
+            self._k[:, :, start:end].copy_(key_states)
+            self._v[:, :, start:end].copy_(value_states)
+            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+            return self.keys, self.values
+
+    return PreallocatedLayer
+
+
+def preallocated_kv_cache(model: nn.Module, max_length: int):
+    """A transformers KV cache for decoding at most ``max_length`` tokens per row (prompt included), each layer's
+    buffers allocated once on first use; attention reads the filled prefix, so a step costs what DynamicCache's
+    does minus its concatenation. None (transformers' default cache) for models with sliding-window layers."""
+    from transformers.cache_utils import Cache
+
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    if any(t != "full_attention" for t in layer_types):
+        return None
+    layer = _preallocated_layer_class()
+    return Cache(layers=[layer(max_length) for _ in layer_types])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ Backends (``backend="auto"`` picks; ``resolve_backend(backend, device, needs_gra
       forward from cuBLAS logits chunk by chunk, three large products in all;
   other CUDA calls: ``"triton"`` (``_triton.py``), online log-sum-exp over vocabulary tiles, logits recomputed in
       backward;
-  other devices: ``"torch"`` (``_chunked.py``), chunked plain torch with the same memory bound.
+  other devices: ``"torch"`` (``_chunked.py``), chunked plain torch with the same memory bound; its loss also forms
+      the gradient in forward (three products).
 ``reference`` holds the plain-torch oracles.
 """
 

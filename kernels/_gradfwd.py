@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from . import _triton
+from ._token_grad import grpo_logp_grad
 
 INTERPRET = _triton.INTERPRET
 
@@ -130,37 +131,6 @@ def scale_(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return x
 
 
-# --------------------------------------------------------------------------------------------------- maths
-
-
-def grpo_logp_grad(logp, advantages, token_weights, *, old_logprobs, ref_logprobs, epsilon_low, epsilon_high,
-                   delta, beta):
-    """``token_weights * d l / d logp`` per token, ``[C]`` float32, for ``grpo_loss.grpo_token_loss``'s ``l``.
-
-    Closed form of autograd's result, with its conventions at the kinks (tests compare the two):
-    ``clamp`` passes the gradient where the input lies inside the closed interval, and ``minimum`` splits it
-    evenly between equal arguments (which is every token when ``old_logprobs`` is None: both branches equal A).
-    """
-    logp = logp.float()
-    adv = advantages.float()
-    ratio = torch.ones_like(logp) if old_logprobs is None else torch.exp(logp - old_logprobs.float())
-    d_ratio = ratio  # d ratio / d logp
-    unclipped, d_unclipped = ratio, d_ratio
-    if delta is not None:
-        unclipped = torch.clamp(ratio, max=delta)
-        d_unclipped = torch.where(ratio <= delta, d_ratio, 0.0)
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    d_clipped = torch.where((ratio >= 1.0 - epsilon_low) & (ratio <= 1.0 + epsilon_high), d_ratio, 0.0)
-    a, b = unclipped * adv, clipped * adv
-    da, db = d_unclipped * adv, d_clipped * adv
-    d_min = torch.where(a < b, da, torch.where(a > b, db, 0.5 * (da + db)))
-    g = -d_min
-    if beta != 0.0:
-        g = g + beta * (1.0 - torch.exp(ref_logprobs.float() - logp))  # d k3 / d logp
-    w = token_weights.float()
-    return torch.where(w != 0, g * w, 0.0)  # a skipped row's logp is a placeholder: never let inf * 0 through
-
-
 # ------------------------------------------------------------------------------------------------ products
 
 
@@ -199,8 +169,10 @@ def _accumulate_grad_weight(grad_weight, dx, h, *, first: bool) -> None:
 
 
 def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprobs, ref_logprobs, epsilon_low,
-              epsilon_high, delta, beta, inv_temp, need_grad_hidden, need_grad_weight, chunk_size=None):
-    """Forward of the loss with its gradients; no host sync.
+              epsilon_high, delta, beta, inv_temp, need_grad_hidden, need_grad_weight, chunk_size=None,
+              with_entropy=True):
+    """Forward of the loss with its gradients; no host sync. (The entropy comes with the row statistics at no
+    cost, so ``with_entropy`` is accepted for ``_chunked.loss_pass``'s signature and ignored.)
 
     Returns ``(logp, entropy, grad_hidden, grad_weight)``: ``[N]`` float32 each (0 on rows with token weight 0),
     then the gradients of ``sum_n token_weights[n] * l_n`` (in the inputs' dtypes; None where not needed).

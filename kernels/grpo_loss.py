@@ -18,27 +18,29 @@ Backends (``backend=``, resolved by ``backends.resolve_backend``):
   ``"triton"``  the fused op of ``logprobs.py`` (online log-sum-exp in forward, logits recomputed in backward: four
                products, no host sync, no ``[C, V]`` buffer in forward); CUDA default without a gradient (old /
                reference log-probs, evaluation).
-  ``"torch"``   the chunked torch path of ``logprobs.py``; the default off CUDA.
-For ``"triton"`` and ``"torch"`` the token loss above is a handful of ``[N]`` vector ops whose gradient autograd
-hands to the fused op as ``g_logp[n] = token_weights[n] * dl_n/dlogp_n``; ``"cublas"`` uses the closed form of
-the same derivative (``_gradfwd.grpo_logp_grad``, tested against autograd).
+  ``"torch"``   the default off CUDA (``_chunked.loss_pass``): the same gradient-in-forward design in plain torch,
+               float32, chunk sizes from a memory budget; three products.
+For ``"triton"`` the token loss above is a handful of ``[N]`` vector ops whose gradient autograd hands to the
+fused op as ``g_logp[n] = token_weights[n] * dl_n/dlogp_n``; ``"cublas"`` and ``"torch"`` use the closed form of
+the same derivative (``_token_grad.grpo_logp_grad``, tested against autograd).
 
 Sequence level (GSPO): the sequence means are segment sums over ``[N]`` vectors (``index_add`` by sequence), so
-the loss still needs only per-token log-probs and the recompute backends run it unchanged. The ``"cublas"`` path
-forms each row's gradient in forward before a sequence's other rows are known, so it does not take
-``sequence_index``; ``"auto"`` then picks ``"triton"`` on CUDA (and the trainer computes old / reference
-log-probs on that same path).
+the loss still needs only per-token log-probs and the recompute backends run it unchanged. The gradient-in-forward
+designs form each row's gradient before a sequence's other rows are known: ``"cublas"`` refuses
+``sequence_index`` (``"auto"`` then picks ``"triton"`` on CUDA, and the trainer computes old / reference log-probs
+on that same path), and ``"torch"`` runs it as a recompute path (the chunked log-prob op, four products).
 
 Zero-weight tokens: every backend skips their softmax work in forward (``token_weights != 0``; the Triton paths
-select rows on the device, without a host sync); their ``stats["logprobs"]`` entries are 0. The recompute backends also skip,
-in backward, every row whose ``g_logp`` is 0 -- in particular tokens with advantage 0 when beta == 0 (whole
-groups with equal rewards), which are common in GRPO.
+select rows on the device, without a host sync); their ``stats["logprobs"]`` entries are 0. ``"triton"`` also skips,
+in backward, every row whose ``g_logp`` is 0, and ``"torch"`` every row with advantage 0 when beta == 0 (whole
+groups with equal rewards, common in GRPO), whose gradient is 0 whatever the logits.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import _chunked
 from .backends import cublas_module, resolve_backend
 from .logprobs import check_inputs, fused_logprobs
 
@@ -144,12 +146,14 @@ def linear_grpo_loss(
     if name == "cublas" and sequence_index is not None:
         raise ValueError("linear_grpo_loss(backend='cublas') has no sequence-level importance sampling (it forms "
                          "each row's gradient before its sequence's other rows are known): use 'triton' or 'auto'")
-    if name == "cublas":
+    if name in ("cublas", "torch") and sequence_index is None:  # the gradient is formed in forward
         check_inputs(hidden, weight, targets, temperature)
         grad_on = torch.is_grad_enabled()
         needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+        impl = _chunked if name == "torch" else cublas_module(hidden.device)
         loss, logp, entropy, ratio, kl = _GradInForwardLoss.apply(
-            hidden, weight, targets, advantages, token_weights, 1.0 / float(temperature), chunk_size, token_kw, needs)
+            hidden, weight, targets, advantages, token_weights, 1.0 / float(temperature), chunk_size, token_kw, needs,
+            impl, return_entropy)
     else:
         logp, entropy = fused_logprobs(hidden, weight, targets, active=counted, temperature=temperature,
                                        with_entropy=return_entropy, backend=name, chunk_size=chunk_size)
@@ -178,36 +182,39 @@ def _with_old(logp, counted, old_logprobs):
 
 class _GradInForwardLoss(torch.autograd.Function):
     """``(loss, logp, entropy, ratio, kl)``; only ``loss`` is differentiable (the others feed the stats; ``kl`` is
-    None when beta == 0). Forward runs ``_gradfwd.loss_pass``, which also forms the gradients of the loss; backward
-    scales them by the upstream gradient."""
+    None when beta == 0). Forward runs ``impl.loss_pass`` (``_gradfwd`` or ``_chunked``), which also forms the
+    gradients of the loss; backward scales them by the upstream gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, advantages, token_weights, inv_temp, chunk_size, token_kw, needs):
-        logp, entropy, grad_hidden, grad_weight = cublas_module(hidden.device).loss_pass(
+    def forward(ctx, hidden, weight, targets, advantages, token_weights, inv_temp, chunk_size, token_kw, needs, impl,
+                with_entropy):
+        logp, entropy, grad_hidden, grad_weight = impl.loss_pass(
             hidden, weight, targets, advantages, token_weights, inv_temp=inv_temp, chunk_size=chunk_size,
-            need_grad_hidden=needs[0], need_grad_weight=needs[1], **token_kw,
+            need_grad_hidden=needs[0], need_grad_weight=needs[1], with_entropy=with_entropy, **token_kw,
         )
         counted = token_weights != 0
         per_token, ratio, kl = grpo_token_loss(_with_old(logp, counted, token_kw["old_logprobs"]), advantages,
                                                **token_kw)
         loss = (token_weights.float() * per_token).sum()
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.used = False
+        # Held on ctx, not saved: backward scales them in place, which torch ops (the _chunked path) record in the
+        # version counter that saved tensors are checked against. They are no outputs, so no reference cycle.
+        ctx.grads, ctx.impl, ctx.used = (grad_hidden, grad_weight), impl, False
         ctx.mark_non_differentiable(*(x for x in (logp, entropy, ratio, kl) if x is not None))
         return loss, logp, entropy, ratio, kl
 
     @staticmethod
     def backward(ctx, g_loss, *_g_stats):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight = ctx.grads
         if g_loss is None:
-            return (None,) * 9
+            return (None,) * 11
         if ctx.used:
-            raise RuntimeError("linear_grpo_loss(backend='cublas') computes its gradients once, in forward, and "
-                               "scales them in place: a second backward through it is not supported (use "
-                               "backend='triton' or 'torch' for retain_graph / double backward)")
+            raise RuntimeError("linear_grpo_loss(backend='cublas' or 'torch') computes its gradients once, in "
+                               "forward, and scales them in place: a second backward through it is not supported "
+                               "(use backend='triton', or linear_logprobs and grpo_token_loss, for retain_graph / "
+                               "double backward)")
         ctx.used = True
-        # In place, no host sync; a no-op launch when g_loss == 1 (loss.backward()).
+        # In place, no host sync (_gradfwd: a no-op launch when g_loss == 1, i.e. loss.backward()).
         for grad in (grad_hidden, grad_weight):
             if grad is not None:
-                cublas_module(grad.device).scale_(grad, g_loss)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+                ctx.impl.scale_(grad, g_loss)
+        return grad_hidden, grad_weight, *(None,) * 9

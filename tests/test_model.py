@@ -66,7 +66,7 @@ def test_load_model_gives_the_seeded_weights_in_float32_on_cpu(cache_env):
     params = dict(model.named_parameters())
     assert stored and all(torch.equal(params[k], v) for k, v in stored.items())
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "sdpa_varlen"
     other = load_model(ModelConfig(name_or_path="tiny"), device="cpu", seed=8)
     assert not torch.equal(other.get_input_embeddings().weight, model.get_input_embeddings().weight)
 
@@ -138,15 +138,15 @@ def test_auto_dtype_is_bf16_on_cuda_fp32_on_cpu():
 @pytest.mark.parametrize("flash,device,expected", [
     (True, CUDA, "flash_attention_2"),
     (False, CUDA, "flex_attention"),
-    (True, CPU, "sdpa"),
-    (False, CPU, "sdpa"),
+    (True, CPU, "sdpa_varlen"),
+    (False, CPU, "sdpa_varlen"),
 ])
 def test_auto_attention_backend(monkeypatch, flash, device, expected):
     monkeypatch.setattr(model_lib, "_flash_attn_installed", lambda: flash)
     assert choose_attn_implementation("auto", device) == expected
 
 
-@pytest.mark.parametrize("name", ["sdpa", "eager", "flex_attention"])
+@pytest.mark.parametrize("name", ["sdpa", "eager", "flex_attention", "sdpa_varlen"])
 def test_explicit_attention_backend_is_kept(name):
     assert choose_attn_implementation(name, "cpu") == name
 

@@ -145,10 +145,12 @@ def test_pack_rejects_empty_prompt_or_completion():
         pack([[1], [2]], [[1], []], [[0, 1]], "cpu")
 
 
-def test_flash_backends_receive_varlen_boundaries():
+@pytest.mark.parametrize("attn", ["flash_attention_2", "sdpa_varlen"])
+def test_varlen_backends_receive_boundaries(attn):
     prompts, completions = _random_batch(seed=3, s=4)
     mb = pack(prompts, completions, [[0, 1, 2, 3]], "cpu")[0]
-    kw = ATTN_BACKENDS["flash_attention_2"].packed_inputs(mb)
+    kw = ATTN_BACKENDS[attn].packed_inputs(mb)
+    assert "attention_mask" not in kw  # no [T, T] mask is built
     assert kw["cu_seq_lens_q"].dtype == torch.int32
     assert kw["cu_seq_lens_q"].tolist() == [0, *torch.tensor(mb.seq_lengths).cumsum(0).tolist()]
     assert kw["max_length_q"] == max(mb.seq_lengths) and isinstance(kw["max_length_q"], int)
@@ -160,6 +162,10 @@ def test_flash_backends_receive_varlen_boundaries():
 
 def tiny_model(family: str, attn: str, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from fastgrpo.model import register_with_transformers
+
+    register_with_transformers()
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
@@ -200,10 +206,10 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "sdpa_varlen"])
 def test_packed_logprobs_and_grads_equal_unpadded(family, attn):
     model = tiny_model(family, attn)
-    seed = 2 * ["qwen2", "llama"].index(family) + ["sdpa", "eager"].index(attn)
+    seed = 3 * ["qwen2", "llama"].index(family) + ["sdpa", "eager", "sdpa_varlen"].index(attn)
     prompts, completions = _random_batch(seed=seed, s=7, max_prompt=12, max_completion=10)
     w = torch.randn(sum(map(len, completions)))  # [F] arbitrary token weights: exercises every position
 
@@ -221,22 +227,25 @@ def test_packed_logprobs_and_grads_equal_unpadded(family, attn):
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_boundary_leak_would_be_detected():
+@pytest.mark.parametrize("attn", ["sdpa", "sdpa_varlen"])
+def test_boundary_leak_would_be_detected(attn):
     """Control: packing without restarting positions (one long sequence) must disagree with the oracle."""
-    model = tiny_model("qwen2", "sdpa")
+    model = tiny_model("qwen2", attn)
     prompts, completions = _random_batch(seed=5, s=4)
     mb = pack(prompts, completions, [[0, 1, 2, 3]], "cpu")[0]
     mb.position_ids = torch.arange(mb.num_tokens)[None]
     mb.seq_lengths, mb.max_seqlen = [mb.num_tokens], mb.num_tokens
     mb.segment_ids = torch.zeros(mb.num_tokens, dtype=torch.long)
+    mb.cu_seqlens = torch.tensor([0, mb.num_tokens], dtype=torch.int32)
     with torch.no_grad():
         leak = packed_head_forward(model, mb, logprob_head).gather(1, mb.targets[:, None])[:, 0]
         ref = unpadded_logprobs(model, prompts, completions)
     assert (leak - ref[mb.flat_index]).abs().max() > 1e-3
 
 
-def test_dummy_microbatch_contributes_zero_gradient():
-    model = tiny_model("llama", "sdpa")
+@pytest.mark.parametrize("attn", ["sdpa", "sdpa_varlen"])
+def test_dummy_microbatch_contributes_zero_gradient(attn):
+    model = tiny_model("llama", attn)
     mb = pack([[1]], [[2]], [[]], "cpu")[0]
     loss = packed_head_forward(model, mb, logprob_head).sum()  # sum over N = 0 rows
     loss.backward()
@@ -317,3 +326,32 @@ def test_flex_attention_packed_logprobs_equal_unpadded():
         ref = unpadded_logprobs(model, prompts, completions)
         got = packed_logprobs(model, prompts, completions, budget=30)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_sdpa_varlen_refuses_what_it_cannot_attend_correctly():
+    model = tiny_model("qwen2", "sdpa_varlen").eval()
+    ids = torch.tensor([[5, 6, 7, 8], [0, 0, 7, 8]])
+    with torch.no_grad(), pytest.raises(ValueError, match="sdpa_varlen.*unpadded"):
+        model(input_ids=ids, attention_mask=(ids != 0).long(), use_cache=False)  # a padded batch
+    pos = torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1]])
+    with torch.no_grad(), pytest.raises(ValueError, match="sdpa_varlen.*different"):
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+
+
+def test_sdpa_varlen_plain_forward_equals_sdpa():
+    # Without the packed forward's boundaries, sequences start where position_ids restart, as sdpa's mask has it.
+    model = tiny_model("qwen2", "sdpa_varlen").eval()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    pos = torch.cat([torch.arange(4), torch.arange(5)]).expand(2, -1)
+    def logits():  # one sequence; two packed ones; with a KV cache (which transformers reads as one sequence)
+        return [model(input_ids=ids, use_cache=False).logits,
+                model(input_ids=ids, position_ids=pos, use_cache=False).logits,
+                model(input_ids=ids, position_ids=pos, use_cache=True).logits]
+
+    with torch.no_grad():
+        got = logits()
+        model.set_attn_implementation("sdpa")
+        want = logits()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert not torch.allclose(got[1][:, 4:], got[2][:, 4:])  # the restart mattered

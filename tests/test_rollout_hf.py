@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fastgrpo.rollout.base import SamplingParams
-from fastgrpo.rollout.hf import HFEngine
+from fastgrpo.rollout.hf import HFEngine, sample_rows
 from fastgrpo.tiny import EOS_TOKEN, build_tiny
 
 
@@ -307,3 +307,43 @@ def test_flex_attention_model_decodes_with_sdpa_and_keeps_flex_for_training(tiny
     b = HFEngine(sdpa, tok).generate(prompts, 1, sp)
     assert [g[0].token_ids for g in a] == [g[0].token_ids for g in b]
     assert flex.config._attn_implementation == "flex_attention"  # restored for the packed update
+
+
+def test_greedy_decode_equals_transformers_generate(llama, rng):
+    # The decode loop (preallocated KV cache, one mask buffer) against transformers' own greedy generate with its
+    # default cache, prompt by prompt (unpadded).
+    model, tok = llama
+    engine = HFEngine(model, tok, batch_size=8)
+    prompts = _prompts(tok, 4, rng, lo=3, hi=20)
+    ours = engine.generate(prompts, 1, SamplingParams(max_tokens=10, temperature=0))
+    for prompt, row in zip(prompts, ours):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=10, pad_token_id=tok.pad_token_id)
+        ref = ref[0, len(prompt):].tolist()
+        got = row[0].token_ids
+        assert got == ref[:len(got)] and (len(got) == len(ref) or got[-1] in engine.eos_ids)
+
+
+@pytest.mark.parametrize("v", [7, 512, 1500])  # inside one block, exactly one block, several with a ragged tail
+def test_sample_rows_draws_from_the_weights(v):
+    gen = torch.Generator().manual_seed(v)
+    w = torch.rand(v, generator=gen) ** 4  # unnormalised, uneven
+    w[torch.randperm(v, generator=gen)[: v // 3]] = 0.0  # zero weights are never drawn
+    n = 200_000 if v < 1000 else 400_000
+    idx = sample_rows(w.expand(n, v).contiguous(), torch.rand(n, 1, generator=gen))
+    counts = torch.bincount(idx, minlength=v).double()
+    assert counts[w == 0].sum() == 0
+    p = (w / w.sum()).double()
+    # every frequency within 5 standard deviations of its expectation
+    assert ((counts / n - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-9).all()
+
+
+def test_sample_rows_stays_on_positive_weight_at_the_ends_of_the_unit_interval():
+    w = torch.zeros(3, 1100)
+    w[0, 5], w[1, 700] = 1.0, 2.0  # one token only; its block is not the last
+    w[2, 1099], w[2, 3] = 1e-30, 1.0  # a last token of negligible weight
+    one = torch.tensor(1.0).nextafter(torch.tensor(0.0))
+    for u in (torch.zeros(3, 1), torch.full((3, 1), float(one))):
+        idx = sample_rows(w, u)
+        assert idx[:2].tolist() == [5, 700] and w[2, idx[2]] > 0

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 from _cases import assert_small, grpo_errors, logprobs_errors
 
 from benchmarks.harness import Shape, make_inputs, rel_err
@@ -109,3 +110,140 @@ def test_no_tokens_by_vocab_tensor_is_ever_created():
         linear_logprobs(inp["hidden"], inp["weight"], inp["targets"], chunk_size=chunk).sum().backward()
     assert seen.numel <= max(chunk * shape.v, shape.v * shape.h, shape.n * shape.h)
     assert seen.numel < shape.n * shape.v // 4
+
+
+def test_grpo_loss_bf16_inputs():
+    # The loss path upcasts too: fp32-exact values for the rounded inputs, gradients rounded to bf16.
+    errs = grpo_errors(SMALL, dtype=torch.bfloat16, backend="torch", beta=0.04, entropy=True, seed=11)
+    assert_small(errs, TOL, grad_tol=1e-2)
+
+
+class _Products(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the multiply-adds of every matrix product (mm / addmm) run inside the mode, and the largest tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.macs = 0
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
+                    torch.ops.aten.addmm_.default, torch.ops.aten.addmm.out):
+            a, b = (args[1], args[2]) if "addmm" in str(func) else (args[0], args[1])
+            self.macs += a.shape[0] * a.shape[1] * b.shape[1]
+        from torch.utils._pytree import tree_flatten
+
+        sizes = [x.numel() for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        self.largest = max([self.largest, *sizes])
+        return out
+
+
+def _loss_products(shape, *, zero_adv_frac=0.0, zero_weight_frac=0.0, beta=0.0, seed=12):
+    inp = make_inputs(shape, dtype=torch.float32, seed=seed, zero_weight_frac=zero_weight_frac)
+    adv = inp["advantages"].clone()
+    adv[torch.rand(shape.n, generator=torch.Generator().manual_seed(seed)) < zero_adv_frac] = 0.0
+    ref = torch.zeros(shape.n) - 3.0 if beta else None
+    with _Products() as seen:
+        loss, _ = linear_grpo_loss(inp["hidden"], inp["weight"], inp["targets"], adv, inp["token_weights"],
+                                   beta=beta, ref_logprobs=ref, backend="torch")
+        loss.backward()
+    moving = (inp["token_weights"] != 0) & ((adv != 0) | (beta != 0))
+    return seen, int((inp["token_weights"] != 0).sum()), int(moving.sum())
+
+
+def test_loss_path_runs_exactly_three_products():
+    # The gradient is formed in forward: one N x V x H product forward, two for the gradients, none recomputed.
+    shape = Shape(n=300, h=24, v=509)
+    seen, counted, moving = _loss_products(shape)
+    assert counted == moving == shape.n
+    assert seen.macs == 3 * shape.n * shape.v * shape.h
+
+
+def test_loss_path_skips_rows_without_gradient():
+    # Weight-0 rows run no product; advantage-0 rows (beta 0) run only the forward one; with beta != 0 they move.
+    shape = Shape(n=300, h=24, v=509)
+    seen, counted, moving = _loss_products(shape, zero_adv_frac=0.4, zero_weight_frac=0.2)
+    assert 0 < moving < counted < shape.n
+    assert seen.macs == (counted + 2 * moving) * shape.v * shape.h
+    seen, counted, moving = _loss_products(shape, zero_adv_frac=0.4, zero_weight_frac=0.2, beta=0.1)
+    assert seen.macs == 3 * counted * shape.v * shape.h
+
+
+def test_loss_path_second_backward_is_refused_clearly():
+    inp = make_inputs(SMALL, dtype=torch.float32, seed=13)
+    loss, _ = linear_grpo_loss(inp["hidden"], inp["weight"], inp["targets"], inp["advantages"],
+                               inp["token_weights"], backend="torch")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
+def test_loss_path_scales_by_upstream_gradient_and_skips_frozen_weight():
+    inp = make_inputs(SMALL, dtype=torch.float32, seed=14)
+    args = [inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")]
+    loss, _ = linear_grpo_loss(*args, backend="torch")
+    g1 = torch.autograd.grad(loss, (inp["hidden"], inp["weight"]))
+    loss, _ = linear_grpo_loss(*args, backend="torch")
+    g3 = torch.autograd.grad(-3.0 * loss, (inp["hidden"], inp["weight"]))
+    for a, b in zip(g1, g3):
+        torch.testing.assert_close(b, -3.0 * a)
+    frozen = inp["weight"].detach()  # a frozen head (e.g. LoRA): no weight gradient is formed
+    with _Products() as seen:
+        loss, _ = linear_grpo_loss(args[0], frozen, *args[2:], backend="torch")
+        (gh,) = torch.autograd.grad(loss, args[0])
+    torch.testing.assert_close(gh, g1[0])
+    assert seen.macs == 2 * SMALL.n * SMALL.v * SMALL.h
+
+
+def test_loss_logprobs_equal_linear_logprobs_bitwise():
+    # Old log-probs from linear_logprobs and the loss's own log-probs share the chunk step, so a policy that has
+    # not moved gives a ratio of exactly 1.
+    shape = Shape(n=600, h=40, v=301)
+    inp = make_inputs(shape, dtype=torch.float32, seed=15)
+    with torch.no_grad():
+        old = linear_logprobs(inp["hidden"], inp["weight"], inp["targets"], temperature=0.7, backend="torch")
+    _, stats = linear_grpo_loss(inp["hidden"], inp["weight"], inp["targets"], inp["advantages"],
+                                inp["token_weights"], old_logprobs=old, temperature=0.7, backend="torch")
+    assert torch.equal(stats["logprobs"], old)
+
+
+@pytest.mark.parametrize("fn", ["logprobs", "loss"])
+def test_default_chunks_stay_within_a_fifth_of_the_logits(fn):
+    # Enough rows that the fifth of [N, V] (not the minimum chunk) decides; every tensor created is recorded.
+    from fastgrpo.kernels import _chunked
+
+    shape = Shape(n=3000, h=16, v=331)
+    assert _chunked._chunk_rows(shape.n, shape.v, torch.device("cpu"), None) > _chunked._MIN_ROWS
+    inp = make_inputs(shape, dtype=torch.float32, seed=16)
+    with _Products() as seen:
+        if fn == "logprobs":
+            linear_logprobs(inp["hidden"], inp["weight"], inp["targets"], backend="torch").sum().backward()
+        else:
+            linear_grpo_loss(*(inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")),
+                             backend="torch")[0].backward()
+    assert seen.largest <= max(shape.n * shape.v // 5, shape.n * shape.h, shape.v * shape.h)
+
+
+def test_chunk_rows_rule():
+    from fastgrpo.kernels import _chunked
+
+    cpu = torch.device("cpu")
+    v = 151936
+    budget_rows = _chunked._budget_bytes("cpu", None) // (4 * v)
+    assert _chunked._chunk_rows(4096, v, cpu, None) == 820  # a fifth of N, evened: 5 x 820 >= 4096
+    assert _chunked._chunk_rows(100_000, v, cpu, None) <= budget_rows  # the device budget caps it
+    assert _chunked._chunk_rows(700, v, cpu, None) == 234  # 3 chunks of at most _MIN_ROWS, evened out
+    assert _chunked._chunk_rows(100, v, cpu, None) == 100
+    assert _chunked._chunk_rows(100, v, cpu, 7) == 7
+    with pytest.raises(ValueError, match="chunk_size"):
+        _chunked._chunk_rows(100, v, cpu, 0)
+
+
+def test_precise_at_a_large_vocabulary():
+    # Qwen2.5's vocabulary: a row sum of 150k terms in order would lose about 1e-5; the path adds pairwise.
+    shape = Shape(n=16, h=32, v=151936)
+    assert_small(logprobs_errors(shape, dtype=torch.float32, backend="torch", entropy=True, seed=17), 1e-6,
+                 grad_tol=3e-6)
+    assert_small(grpo_errors(shape, dtype=torch.float32, backend="torch", entropy=True, seed=17), 1e-6,
+                 grad_tol=3e-6)
