@@ -80,7 +80,8 @@ def token_weights(loss_type: str, lengths: torch.Tensor, counts: GlobalCounts,
     try:
         fn = registry[loss_type]
     except KeyError:
-        raise ValueError(f"unknown loss normalisation {loss_type!r}; known: {sorted(registry)}") from None
+        what = "loss_type" if registry is LOSS_TYPES else "normalization"
+        raise ValueError(f"unknown {what} {loss_type!r}; known: {sorted(registry)}") from None
     per_seq = fn(lengths, counts)  # [S_local]
     return torch.repeat_interleave(per_seq, lengths)  # [N]
 

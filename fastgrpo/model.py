@@ -114,8 +114,6 @@ def _sdpa_per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     ``is_causal``, never for a mask. Without ``cu_seq_lens_q`` (a plain forward) the sequences start where
     ``position_ids`` restart unless a KV cache is in use, as transformers' own packed-sequence detection has it.
     """
-    if sliding_window is not None:
-        raise NotImplementedError("model.attn_implementation=sdpa_varlen has no sliding-window attention; use sdpa")
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         bounds = cu.tolist()  # K + 1 host ints: a copy from the device once per layer (free on CPU)
@@ -127,9 +125,20 @@ def _sdpa_per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     else:
         bounds = _sequence_starts(kwargs.get("position_ids"), query.shape[2])
     gqa = query.shape[1] != key.shape[1]
-    outs = [torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=True, scale=scaling,
-        enable_gqa=gqa) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]  # [1, Hq, L_i, d] each
+
+    def band(n: int) -> torch.Tensor | None:  # sliding-window layers: causal and at most `window` back, [n, n]
+        if sliding_window is None or sliding_window >= n:
+            return None
+        i = torch.arange(n, device=query.device)
+        return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < sliding_window)
+
+    def attend(a: int, b: int) -> torch.Tensor:  # [1, Hq, L_i, d]
+        mask = band(b - a)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], attn_mask=mask, dropout_p=dropout,
+            is_causal=mask is None, scale=scaling, enable_gqa=gqa)
+
+    outs = [attend(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, Hq, T, d]
     return out.transpose(1, 2).contiguous(), None
 

