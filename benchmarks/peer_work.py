@@ -226,25 +226,40 @@ def build_model_folder(model: str, dest: Path, *, seed: int) -> Path:
     return dest
 
 
+def _conversation(row: dict) -> list[dict]:
+    """The chat messages of a Countdown row: fastgrpo's user message (and system prompt, when set)."""
+    from fastgrpo.data.templates import countdown_user_message
+
+    system = [{"role": "system", "content": SHARED["system_prompt"]}] if SHARED["system_prompt"] else []
+    return system + [{"role": "user", "content": countdown_user_message(row)}]
+
+
 def write_prompts(model_dir: Path, path: Path, *, count: int, seed: int) -> int:
-    """Countdown rows rendered once (fastgrpo's chat template), keeping only rows whose prompt has the most
-    common token length; writes jsonl rows {prompt, nums, target} and returns that length P."""
+    """Countdown rows whose rendered prompt (the chat template, assistant turn opened) has the most common token
+    length; writes jsonl rows {prompt, nums, target} and returns that length P.
+
+    ``prompt`` is the conversation: TRL renders it with the tokenizer's chat template, and fastgrpo either does
+    the same with a conversation column or (versions that read only ``nums``/``target``) renders the same
+    messages from the row, so both sides see identical token ids (checked per step by the bench)."""
     from collections import Counter
 
     from transformers import AutoTokenizer
 
-    from fastgrpo.data import countdown_splits, render_prompt
+    from fastgrpo.data import countdown_splits
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows, _ = countdown_splits(num_train=count * 8, num_eval=0, seed=seed, min_numbers=3, max_numbers=4,
                                max_value=99)
-    rendered = [(render_prompt({**r, "task": "countdown"}, template=SHARED["template"],
-                               system_prompt=SHARED["system_prompt"], tokenizer=tok), r) for r in rows]
-    lengths = [len(tok(text)["input_ids"]) for text, _ in rendered]
+    convs = [_conversation(r) for r in rows]
+    lengths = [len(tok(render_conversation(tok, c))["input_ids"]) for c in convs]
     P = Counter(lengths).most_common(1)[0][0]
-    keep = [{"prompt": t, "nums": r["nums"], "target": r["target"]} for (t, r), n in zip(rendered, lengths) if n == P]
+    keep = [{"prompt": c, "nums": r["nums"], "target": r["target"]} for c, r, n in zip(convs, rows, lengths) if n == P]
     path.write_text("".join(json.dumps(row) + "\n" for row in keep[:count]))
     return P
+
+
+def render_conversation(tok, conversation: list[dict]) -> str:
+    return tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
 
 
 def check_no_eos(model_dir: Path, prompts_file: Path) -> float:
@@ -255,7 +270,7 @@ def check_no_eos(model_dir: Path, prompts_file: Path) -> float:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     net = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    text = json.loads(prompts_file.read_text().splitlines()[0])["prompt"]
+    text = render_conversation(tok, json.loads(prompts_file.read_text().splitlines()[0])["prompt"])
     ids = torch.tensor([tok(text)["input_ids"]])  # [1, P]
     eos = eos_ids_of(model_dir)
     with torch.no_grad():
