@@ -22,12 +22,7 @@ fi
 OUT_DIR=${OUT:-benchmarks/results}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/fastgrpo_site . \
-  && export PYTHONPATH=/tmp/fastgrpo_site${PYTHONPATH:+:$PYTHONPATH}
+source benchmarks/gpu_env.sh || exit 2
 {
   date -u +"date: %Y-%m-%dT%H:%MZ"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -68,5 +63,9 @@ else
   echo; echo "=== bench_trl skipped: trl is not importable (wheels of trl and accelerate in .whl/, see the top)"
 fi
 # 4. Rollout: transformers engine (vLLM only where installed) (~1 min)
-step 90 python3 benchmarks/bench_rollout.py --shape qwen2.5-0.5b --out "$OUT_DIR/bench_rollout"
+if python3 -c "import vllm" 2>/dev/null; then
+  step 90 python3 benchmarks/bench_rollout.py --shape qwen2.5-0.5b --out "$OUT_DIR/bench_rollout"
+else  # no vLLM on this machine: our decode loop against transformers' generate, same model and prompts
+  step 90 python3 benchmarks/bench_rollout.py --shape qwen2.5-0.5b --hf-vs-generate
+fi
 exit $status

@@ -72,7 +72,9 @@ def init_distributed(device: str = "auto", *, timeout_s: float = 1800.0) -> Dist
     # float32 master weights with bfloat16 compute (MixedPrecisionPolicy) on one GPU.
     if (launched or use_cuda) and dist.is_available() and not dist.is_initialized():
         dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo",
+            # CUDA: NCCL for tensors on the GPU, and gloo beside it for the few CPU tensors that ranks agree on
+            # (reward failure counts, dynamic-sampling rounds, the stop flag); NCCL alone refuses those.
+            backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo",
             init_method=None if launched else f"tcp://127.0.0.1:{_free_port()}",
             rank=rank,
             world_size=world,
