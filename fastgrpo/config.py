@@ -423,7 +423,9 @@ class LogConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class RunConfig:
+    """What every run (GRPO, SFT) has: its folder, length, seed and device, and the shared sections."""
+
     name: str = "run"
     """Run name: outputs go to <output_dir>/<name>/."""
     output_dir: str = "runs"
@@ -436,9 +438,6 @@ class TrainConfig:
     """'auto' (cuda if available), 'cpu' or 'cuda'."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    rewards: RewardConfig = field(default_factory=RewardConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -448,6 +447,15 @@ class TrainConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+
+@dataclass(kw_only=True)
+class TrainConfig(RunConfig):
+    """A GRPO run: the shared sections plus rewards, rollout and the GRPO objective."""
+
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def validate(self) -> "TrainConfig":
         check_run_config(self, head_backend_field="grpo.head_backend")
@@ -644,12 +652,12 @@ def describe(cls: type = TrainConfig) -> str:
     lines = []
 
     def walk(cls: type, prefix: str) -> None:
-        src = inspect.getsource(cls)
         docs: dict[str, str] = {}
-        body = ast.parse(src).body[0].body
-        for a, b in zip(body, body[1:]):
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                docs[a.target.id] = str(b.value.value)
+        for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # a subclass's docs win
+            body = ast.parse(inspect.getsource(klass)).body[0].body
+            for a, b in zip(body, body[1:]):
+                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                    docs[a.target.id] = str(b.value.value)
         for f in dataclasses.fields(cls):
             tp = _field_types(cls)[f.name]
             if dataclasses.is_dataclass(tp):

@@ -19,16 +19,14 @@ size, V vocabulary size.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from fastgrpo.config import (CheckpointConfig, ConfigError, DataConfig, EvalConfig, LogConfig, ModelConfig,
-                             OptimConfig, ParallelConfig, check_run_config, describe, load_config, registry)
+from fastgrpo.cli import run_cli
+from fastgrpo.config import ConfigError, RunConfig, check_run_config, registry
 from fastgrpo import distributed as fdist
 from fastgrpo.data.sampler import PromptSampler
 from fastgrpo.data.sft import build_sft_datasets
@@ -75,29 +73,14 @@ class SFTOptions:
 
 
 @dataclass(kw_only=True)
-class SFTConfig:
+class SFTConfig(RunConfig):
+    """An SFT run: the shared run sections plus the SFT options."""
+
     name: str = "sft"
     """Run name: outputs go to <output_dir>/<name>/."""
-    output_dir: str = "runs"
-    """Parent folder of run folders."""
     max_steps: int = 200
     """Optimizer steps."""
-    seed: int = 0
-    """Global seed (model init of the tiny model, data order)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """'auto' (cuda if available), 'cpu' or 'cuda'."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
     sft: SFTOptions = field(default_factory=SFTOptions)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.output_dir) / self.name
 
     def validate(self) -> "SFTConfig":
         check_run_config(self, head_backend_field="sft.head_backend")
@@ -184,34 +167,8 @@ class SFTTrainer(TrainingLoop):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="fastgrpo.sft", description="Supervised fine-tuning (see README.md).")
-    p.add_argument("--config", help="YAML config file")
-    p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=1e-4")
-    args = p.parse_args(argv)
-    if args.help_config:
-        print(describe(SFTConfig))
-        return 0
-    try:
-        cfg = load_config(args.config, args.overrides, cls=SFTConfig)
-    except ConfigError as e:
-        print(f"fastgrpo.sft: config error: {e}", file=sys.stderr)
-        return 2
-
-    fdist.init_distributed(cfg.device)
-    try:
-        try:
-            trainer = SFTTrainer(cfg)
-        except (ValueError, ImportError, OSError) as e:  # bad data, model path: before any training
-            print(f"fastgrpo.sft: error: {e}", file=sys.stderr)
-            return 2
-        record = trainer.run()
-        if fdist.get_rank() == 0 and record:
-            summary = {k: round(v, 4) for k, v in record.items() if k.startswith(("sft/nll", "eval/"))}
-            print(f"[fastgrpo] sft done: step {int(record['step'])} {summary} -> {cfg.run_dir}", flush=True)
-    finally:
-        fdist.destroy_distributed()
-    return 0
+    return run_cli(argv, prog="fastgrpo.sft", description="Supervised fine-tuning (see README.md).", cls=SFTConfig,
+                   make_trainer=SFTTrainer, summary_prefixes=("sft/nll", "eval/"), done="sft done")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""The command line shared by ``fastgrpo.train`` and ``fastgrpo.sft``: parse, load and check the config, start
+torch.distributed, build the trainer, run it, and turn the errors a user can cause into one line and an exit code.
+
+Exit codes: 0 done; 2 bad config, data, model path or missing extra (before any training); 1 a run that started
+and then failed for a reason it names (a full disk, ``rewards.on_error=raise``, too many non-finite updates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable
+
+from fastgrpo.config import ConfigError, describe, load_config
+from fastgrpo.errors import RunError
+
+
+def check_sinks(cfg: Any) -> None:
+    """A missing metrics extra (wandb) is a one-line message with the install command, before anything loads."""
+    from fastgrpo.metrics import SINKS
+
+    for sink in cfg.log.report_to:
+        SINKS[sink].check_available()
+
+
+def run_cli(argv: list[str] | None, *, prog: str, description: str, cls: type, make_trainer: Callable[[Any], Any],
+            summary_prefixes: tuple[str, ...], done: str, preflight: Callable[[Any], None] = check_sinks) -> int:
+    """Parse ``argv`` as ``prog [--config F] [--help-config] key=value ...`` for config class ``cls``, then train
+    with ``make_trainer(cfg).run()``; prints ``[fastgrpo] <done>: step N {summary}`` on rank 0. Returns the exit
+    code (module docstring)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--config", help="YAML config file (configs/*.yaml)")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=1e-6")
+    args = p.parse_args(argv)
+    if args.help_config:
+        print(describe(cls))
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides, cls=cls)
+        preflight(cfg)
+    except (ConfigError, ImportError) as e:
+        print(f"{prog}: config error: {e}", file=sys.stderr)
+        return 2
+
+    from fastgrpo import distributed as fdist
+
+    fdist.init_distributed(cfg.device)
+    try:
+        try:
+            trainer = make_trainer(cfg)
+        except (ValueError, ImportError, OSError) as e:  # bad data, rewards, model path: before any training
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
+        try:
+            record = trainer.run()
+        except RunError as e:  # one line, not a traceback from deep inside
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 1
+        finally:
+            close = getattr(trainer, "close", None)
+            if close is not None:
+                close()
+        if fdist.get_rank() == 0 and record:
+            summary = {k: round(v, 4) for k, v in record.items() if k.startswith(summary_prefixes)}
+            print(f"[fastgrpo] {done}: step {int(record['step'])} {summary} -> {cfg.run_dir}", flush=True)
+    finally:
+        fdist.destroy_distributed()
+    return 0
