@@ -18,8 +18,14 @@ useful FLOPs = 6 * N_trunk * T + 6 * H * V * N_completion + 6 * layers * d_attn 
 (N_trunk: parameters without the embedding; the lm_head matmul counted on completion tokens only; causal
 attention fwd+bwd). The same useful FLOPs are used for both modes, so MFU also ranks them.
 
-    python benchmarks/bench_learner.py                 # GPU: Qwen2.5-0.5B and 1.5B shapes, < 10 min on an H100
+    python benchmarks/bench_learner.py                 # GPU: Qwen2.5-0.5B shape, padded then packed (~2 min)
+    python benchmarks/bench_learner.py --models qwen2.5-0.5b,qwen2.5-1.5b --budget-s 400   # both shapes
     python benchmarks/bench_learner.py --quick         # CPU smoke test with a tiny model (seconds)
+
+Progress is printed as it goes (model built, each step's time: the first packed step on CUDA includes compiling
+flex_attention, which is why it is a warm-up), and the table files are rewritten after every run, so a run
+killed from outside still leaves the finished rows. --budget-s: no run starts, and no further timed step is
+taken, once that many seconds have passed (rows say so); a single step cannot be interrupted.
     python benchmarks/bench_learner.py --cpu-packing   # CPU: packed attention choices, alternated (below)
 
 --cpu-packing: on CPU, one float32 model per shape and the same batch, updates in alternated rounds (so that load
@@ -243,10 +249,17 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
     return override_tflops * 1e12 if override_tflops else device_peak_flops(device)
 
 
-def run_one(name, mode, attn, args, device, dtype, lengths) -> Row:
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def run_one(name, mode, attn, args, device, dtype, lengths, deadline: float = math.inf) -> Row:
     prompt_lens, comp_lens = lengths
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tag = f"[{name} {mode} {attn}]"
+    t_build = time.perf_counter()
     model = build_model(name, attn, device, dtype, args.seed)
+    _say(f"{tag} model built in {time.perf_counter() - t_build:.1f}s")
     batch = make_batch(prompt_lens, comp_lens, model.config.vocab_size, args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
     step = (lambda: packed_step(model, batch, device, args.max_tokens)) if mode == "packed" else \
@@ -255,6 +268,9 @@ def run_one(name, mode, attn, args, device, dtype, lengths) -> Row:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for i in range(args.warmup + args.steps):
+        if i > args.warmup and time.perf_counter() > deadline:  # at least one timed step, then the budget rules
+            _say(f"{tag} time budget spent: {len(times)} of {args.steps} timed steps")
+            break
         sync()
         t0 = time.perf_counter()
         slots, count, check = step()
@@ -264,8 +280,10 @@ def run_one(name, mode, attn, args, device, dtype, lengths) -> Row:
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
+        dt = time.perf_counter() - t0
+        _say(f"{tag} step {i + 1}/{args.warmup + args.steps}{' (warm-up)' if i < args.warmup else ''}: {dt:.2f}s")
         if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(dt)
     step_s = sorted(times)[len(times) // 2]
     real = sum(prompt_lens) + sum(comp_lens)
     peak = peak_flops(device, args.peak_tflops)
@@ -298,12 +316,14 @@ def markdown(rows: list[Row]) -> str:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny model, 8 short sequences, fp32")
-    ap.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b", help=f"comma list of {list(MODEL_SHAPES)}")
+    ap.add_argument("--models", default="qwen2.5-0.5b", help=f"comma list of {list(MODEL_SHAPES)}")
     ap.add_argument("--prompts", type=int, default=16, help="B prompts per step")
     ap.add_argument("--generations", type=int, default=8, help="G completions per prompt")
     ap.add_argument("--max-tokens", type=int, default=16384, help="packed token budget per micro-batch")
     ap.add_argument("--padded-batch", type=int, default=8, help="sequences per padded micro-batch")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
+    ap.add_argument("--budget-s", type=float, default=110.0,
+                    help="start no run and no further timed step after this many seconds (module docstring)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--attn", default="auto", help="packed attention: auto|flash_attention_2|flex_attention|sdpa")
     ap.add_argument("--padded-attn", default="sdpa", help="padded attention (TRL default: sdpa)")
@@ -334,32 +354,51 @@ def main(argv: list[str] | None = None) -> list[Row]:
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lengths = countdown_lengths(args.prompts, args.generations, seed=args.seed, quick=args.quick)
+    cmd = "python benchmarks/bench_learner.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    start = time.perf_counter()
+    deadline = start + args.budget_s
+    _say(f"bench_learner on {_device_name(device)}, torch {torch.__version__}, {dtype}; {len(lengths[1])} sequences, "
+         f"{sum(lengths[0]) + sum(lengths[1])} real tokens per step; models {args.models}; budget {args.budget_s:.0f}s")
     rows = []
     for name in args.models.split(","):
-        for mode, attn in (("packed", choose_attn_implementation(args.attn, device)), ("padded", args.padded_attn)):
+        # padded first: no compile, so its figure comes in even if packed's warm-up (flex_attention's compile on
+        # CUDA) is long
+        for mode, attn in (("padded", args.padded_attn), ("packed", choose_attn_implementation(args.attn, device))):
             t0 = time.perf_counter()
+            if t0 > deadline:
+                rows.append(_error_row(name, mode, attn, device, lengths, "skipped: time budget"))
+                _say(f"[{name} {mode} {attn}] skipped: time budget")
+                continue
             try:
-                rows.append(run_one(name, mode, attn, args, device, dtype, lengths))
+                rows.append(run_one(name, mode, attn, args, device, dtype, lengths, deadline))
             except Exception as e:  # one failing backend must not hide the other figures
                 if args.quick:
                     raise
-                rows.append(Row(model=name, mode=mode, attn=attn, device=_device_name(device),
-                                sequences=len(lengths[1]), real_tokens=0, slots=0, microbatches=0, step_s=float("nan"),
-                                tokens_per_s=float("nan"), mfu=None, peak_mem_gb=None, check_logp=float("nan"),
-                                grad_norm=float("nan"), error=f"{type(e).__name__}: {str(e)[:120]}"))
-            print(f"[{name} {mode} {attn}] {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+                rows.append(_error_row(name, mode, attn, device, lengths, f"{type(e).__name__}: {str(e)[:120]}"))
+            r = rows[-1]
+            _say(f"[{name} {mode} {attn}] {time.perf_counter() - t0:.1f}s in all: step {r.step_s:.3f}s, "
+                 f"{r.tokens_per_s:,.0f} tokens/s {r.error}")
+            _write(rows, args.out, cmd, device)  # after every run: a kill from outside keeps what is done
     table = markdown(rows)
-    print(table)
-    out = Path(args.out)
+    print(table, flush=True)
+    return rows
+
+
+def _error_row(name, mode, attn, device, lengths, error: str) -> Row:
+    return Row(model=name, mode=mode, attn=attn, device=_device_name(device), sequences=len(lengths[1]),
+               real_tokens=0, slots=0, microbatches=0, step_s=float("nan"), tokens_per_s=float("nan"), mfu=None,
+               peak_mem_gb=None, check_logp=float("nan"), grad_norm=float("nan"), error=error)
+
+
+def _write(rows: list[Row], out: str, cmd: str, device: torch.device) -> None:
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
         writer.writeheader()
         writer.writerows(asdict(r) for r in rows)
-    cmd = "python benchmarks/bench_learner.py " + " ".join(argv if argv is not None else sys.argv[1:])
     out.with_suffix(".md").write_text(f"{time.strftime('%Y-%m-%d')} on {_device_name(device)}, torch "
-                                      f"{torch.__version__}\n\n`{cmd}`\n\n{table}\n")
-    return rows
+                                      f"{torch.__version__}\n\n`{cmd}`\n\n{markdown(rows)}\n")
 
 
 if __name__ == "__main__":

@@ -146,6 +146,7 @@ def cublas_path(n: int, h: int) -> LossPath:
     chunk = min(max(1, _gradfwd._BUFFER_BYTES // (V * ELT)), n)
     p = LossPath("cublas")
     small = 24  # index_select / index_copy / the closed-form token gradient: [c]-sized kernels per chunk
+    acc32 = cdiv(n, chunk) > _gradfwd._BF16_SUM_MAX_CHUNKS  # grad_W summed in a float32 [V, H] buffer
     for i, start in enumerate(range(0, n, chunk)):
         c = min(chunk, n - start)
         p.launches += [
@@ -154,8 +155,15 @@ def cublas_path(n: int, h: int) -> LossPath:
             Launch("_rowstats_kernel", bytes=ELT * c * V),
             Launch("_softmax_grad_kernel", bytes=2 * ELT * c * V),
             gemm("product 2 (grad_hidden)", c, h, V),
-            gemm("product 3 (grad_W, addmm)", V, h, c, extra_bytes=0 if i == 0 else ELT * V * h),  # reads C
         ]
+        if acc32:  # product into grad_W (scratch), then acc32 (+)= it: reads ELT + 4, writes 4 bytes per entry
+            p.launches += [gemm("product 3 (grad_W, mm)", V, h, c),
+                           Launch("float32 grad_W sum", bytes=(ELT + (4 if i else 0) + 4) * V * h)]
+        else:
+            p.launches.append(gemm("product 3 (grad_W, addmm)", V, h, c,
+                                   extra_bytes=0 if i == 0 else ELT * V * h))  # reads C
+    if acc32:
+        p.launches.append(Launch("grad_W <- float32 sum", bytes=(4 + ELT) * V * h))
     p.launches.append(Launch("_scale_kernel (x2, return at once)", launches=2))
     return p
 

@@ -32,7 +32,12 @@ within both a device budget (``_budget_bytes``: 512 MiB, less on a device with u
 ``[N]`` vectors, and on the entropy paths ``[16, V]`` temporaries.
 
 Everything is computed in float32 (bf16 inputs are upcast chunk by chunk; the weight once, which costs one
-``[V, H]`` float32 copy, the size of the gradient buffer).
+``[V, H]`` float32 copy, the size of the gradient buffer). On CUDA that makes every product a float32 GEMM
+without tensor cores: ``linear_logprobs(backend="torch")`` measured 15-21x the bf16 three-product floor on an
+H100 (benchmarks/bench_kernels.py). That is the float32 / bf16 peak ratio (67 against 989 TFLOP/s on an H100
+SXM) times four products over three, not the chunking: at N = 32768, H = 2048, V = 151936 the 512 MiB budget gives
+38 chunks, whose ``[V, H]`` float32 read-modify-writes add about 30 ms to the 1.7 s measured. On CUDA this backend
+is the precise fallback; "auto" picks the Triton paths there.
 """
 
 from __future__ import annotations

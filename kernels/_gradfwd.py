@@ -21,11 +21,19 @@ at once when it is 1 (``loss.backward()``): no host sync in either direction.
 
 Numerics: the buffer holds the logits in the inputs' dtype, exactly what ``model(...).logits`` gives and what
 the bf16 torch reference (TRL) computes; the statistics and the softmax gradient are formed in float32 from it;
-the gradient products accumulate in float32 inside cuBLAS. ``grad_weight`` is summed over chunks in the weight's
-own dtype (``addmm_``: one rounding per chunk), not in a float32 ``[V, H]`` buffer: that buffer would be the
-largest extra allocation of the op (2 GB for Qwen2.5-3B's head), and on this path its precision is wasted,
-because the error of bf16 logits is several times that of the per-chunk roundings (measured in
-benchmarks/RESULTS.md). Extra memory is therefore one ``[C, V]`` buffer plus ``[N]`` vectors.
+the gradient products accumulate in float32 inside cuBLAS. ``grad_weight`` is summed over chunks in one of two
+ways (``_accumulate_grad_weight``):
+  * up to ``_BF16_SUM_MAX_CHUNKS`` (16) chunks: in the weight's own dtype (``addmm_``: one rounding per chunk), no
+    float32 ``[V, H]`` buffer. That buffer would be the largest extra allocation of the op (1.2 GB for a
+    Qwen2.5-3B head), and with the default 768 MB ``[C, V]`` buffer 16 chunks cover 42k tokens at V = 151936.
+  * more chunks: in a float32 ``[V, H]`` buffer, each chunk's product rounded once to the weight's dtype (into
+    ``grad_weight``, used as scratch) and added in float32, then copied into ``grad_weight`` once. The error is
+    then about two roundings whatever the chunk count.
+The bf16 running sum's error grows with the chunk count: relative to the plain bf16 computation (one product
+over all rows), an emulation of these numerics on CPU (N = 2048, H = 256, V = 8192, 2 seeds) gives grad_weight
+errors of 1.46-1.50x at 8 chunks, 1.70-1.73x at 16 and 1.91-1.95x at 32; the H100 measured 2.01x at 32, past
+the 2x criterion (tests/kernels/test_gpu.py). Hence the cut at 16. Extra memory is therefore one ``[C, V]``
+buffer plus ``[N]`` vectors, and a float32 ``[V, H]`` buffer only beyond 16 chunks.
 
 Costs against the recompute path, estimated, not measured here: one large product fewer; about 6 extra bytes of
 traffic per logit (the buffer is written once by cuBLAS, read twice, written once), a few per cent of a product
@@ -52,6 +60,7 @@ from ._token_grad import grpo_logp_grad
 INTERPRET = _triton.INTERPRET
 
 _BUFFER_BYTES = 768 << 20  # the [C, V] logits / dlogits buffer: fewer chunks, fewer grad_weight roundings
+_BF16_SUM_MAX_CHUNKS = 16  # above this many chunks grad_weight is summed in float32 (module docstring)
 _ROW_BLOCK_V = 32 if INTERPRET else 4096
 _ROW_WARPS = 8
 
@@ -158,14 +167,24 @@ def full_precision_reductions():
             setattr(matmul, f"allow_{name}_reduced_precision_reduction", value)
 
 
-def _accumulate_grad_weight(grad_weight, dx, h, *, first: bool) -> None:
-    """``grad_weight (+)= dx.T @ h`` in the weight's dtype (``dx [c, V]``, ``h [c, H]``): cuBLAS sums each chunk's
-    product in float32 and adds it to the running sum, rounding once per chunk (see the module docstring for why
-    not a float32 buffer)."""
+def _accumulate_grad_weight(grad_weight, dx, h, *, first: bool, acc32=None) -> None:
+    """``grad_weight (+)= dx.T @ h`` (``dx [c, V]``, ``h [c, H]``); cuBLAS sums each chunk's product in float32.
+
+    ``acc32`` None: the running sum stays in the weight's dtype, rounding once per chunk. ``acc32 [V, H]`` float32:
+    the chunk's product is rounded once into ``grad_weight`` (scratch) and added to ``acc32``; the caller copies
+    ``acc32`` into ``grad_weight`` after the last chunk. See the module docstring for which and why.
+    """
+    if acc32 is None:
+        if first:
+            torch.mm(dx.T, h, out=grad_weight)
+        else:
+            grad_weight.addmm_(dx.T, h)
+        return
+    torch.mm(dx.T, h, out=grad_weight)
     if first:
-        torch.mm(dx.T, h, out=grad_weight)
+        acc32.copy_(grad_weight)
     else:
-        grad_weight.addmm_(dx.T, h)
+        acc32.add_(grad_weight)
 
 
 def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprobs, ref_logprobs, epsilon_low,
@@ -201,6 +220,8 @@ def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprob
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     chunk = min(chunk_size, n)
     buf = torch.empty((chunk, vocab), dtype=hidden.dtype, device=dev)  # [C, V]
+    many = need_grad_weight and weight.dtype != torch.float32 and -(-n // chunk) > _BF16_SUM_MAX_CHUNKS
+    acc32 = torch.empty(weight.shape, **f32) if many else None  # [V, H] float32 running sum of grad_weight
     need_grad = need_grad_hidden or need_grad_weight
     block_v = _ROW_BLOCK_V
     with full_precision_reductions():  # products 2 and 3 sum over V and over the chunk's rows in float32
@@ -229,8 +250,10 @@ def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprob
             if need_grad_hidden:
                 grad_hidden.index_copy_(0, idx, x @ weight)  # product 2
             if need_grad_weight:
-                _accumulate_grad_weight(grad_weight, x, h, first=start == 0)  # product 3
+                _accumulate_grad_weight(grad_weight, x, h, first=start == 0, acc32=acc32)  # product 3
     del buf
+    if acc32 is not None:
+        grad_weight.copy_(acc32)
     return logp, entropy, grad_hidden, grad_weight
 
 

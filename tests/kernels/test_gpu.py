@@ -92,21 +92,24 @@ def test_cublas_path_is_the_cuda_default_and_matches_torch_path_in_fp32():
     assert all(rel_err(a, b) < 1e-4 for a, b in zip(g_a, g_c))
 
 
-def test_cublas_grad_weight_summed_over_many_chunks_stays_within_the_bf16_criterion():
-    # grad_weight is summed over chunks in bf16 (one rounding per chunk, no float32 [V, H] buffer): with 32
-    # chunks its error must still be at most 2x that of the plain bf16 torch computation.
+@pytest.mark.parametrize("chunk_size", [128, 64], ids=["16-chunks-bf16-sum", "32-chunks-float32-sum"])
+def test_cublas_grad_weight_summed_over_many_chunks_stays_within_the_bf16_criterion(chunk_size):
+    # grad_weight is summed over chunks in bf16 (one rounding per chunk) up to _BF16_SUM_MAX_CHUNKS = 16 chunks,
+    # in a float32 [V, H] buffer beyond: either way its error must be at most 2x that of the plain bf16 torch
+    # computation. (The bf16 sum over 32 chunks measured 2.01x on an H100: the reason for the float32 buffer.)
     shape = Shape(n=2048, h=256, v=8192)
     inp = make_inputs(shape, dtype=torch.bfloat16, device="cuda", seed=16)
     args = [inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")]
     h64, w64 = (x.detach().double().requires_grad_() for x in args[:2])
     exact_g = torch.autograd.grad(reference_linear_grpo_loss(h64, w64, *args[2:])[0], (h64, w64))
     plain_g = torch.autograd.grad(reference_linear_grpo_loss(*args)[0], args[:2])
-    many = torch.autograd.grad(linear_grpo_loss(*args, backend="cublas", chunk_size=64)[0], args[:2])
+    many = torch.autograd.grad(linear_grpo_loss(*args, backend="cublas", chunk_size=chunk_size)[0], args[:2])
     assert rel_err(many[1], exact_g[1]) <= 2 * rel_err(plain_g[1], exact_g[1]) + 1e-6
 
 
 def test_cublas_peak_memory_is_one_buffer_plus_gradients():
-    # The "extra memory": above the inputs and the two gradients, only the [C, V] buffer and vectors.
+    # The "extra memory": above the inputs and the two gradients, only the [C, V] buffer and vectors
+    # (16 chunks: grad_weight summed in bf16, no float32 [V, H] buffer).
     shape = Shape(n=4096, h=256, v=65536)
     inp = make_inputs(shape, dtype=torch.bfloat16, device="cuda", seed=17)
     args = [inp[k] for k in ("hidden", "weight", "targets", "advantages", "token_weights")]

@@ -1,7 +1,7 @@
 """Ahead-of-time compile of the Triton kernels for sm_90 (no GPU needed): no register spills, every ``tl.dot``
 lowered to Hopper warpgroup MMA, the target check's device assert compiled in, and the occupancy recorded for
 benchmarks/roofline.py equal to what the compile gives. Skips cleanly when Triton's NVIDIA toolchain is
-unavailable."""
+unavailable. The occupancy comparison runs only under the triton version that made the record."""
 
 import importlib.util
 import json
@@ -46,5 +46,10 @@ def test_roofline_occupancy_record_matches_the_compile(reports):
     from benchmarks import roofline
     from benchmarks.check_hopper import asdict
 
+    import triton
+
     recorded = json.loads((Path(roofline.__file__).parent / "hopper_sm90.json").read_text())
+    if recorded["triton"] != triton.__version__:  # another compiler may allocate registers / smem differently
+        pytest.skip(f"benchmarks/hopper_sm90.json was compiled with triton {recorded['triton']}, this is triton "
+                    f"{triton.__version__}: occupancies are only comparable within one triton version")
     assert roofline.ctas_per_sm(recorded["reports"]) == roofline.ctas_per_sm([asdict(r) for r in reports])

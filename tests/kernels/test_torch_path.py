@@ -241,9 +241,13 @@ def test_chunk_rows_rule():
 
 
 def test_precise_at_a_large_vocabulary():
-    # Qwen2.5's vocabulary: a row sum of 150k terms in order would lose about 1e-5; the path adds pairwise.
+    # Qwen2.5's vocabulary: a row sum of 150k terms in order would lose about 1e-5; the path adds pairwise, so
+    # log-probs, entropy and loss hold 1e-6. The gradients go through grad_hidden = dX @ W, a BLAS product with
+    # K = V whose summation order is the library's: on this 2-core machine the same code gave 7e-7 with one thread
+    # and 3.1e-5 with two (MKL picks another kernel), about sqrt(V) float32 roundings (2.3e-5). Their bound
+    # allows that and stays over 20x below a bf16 computation's gradient error (2.5e-3 in tests/kernels/test_gpu.py).
     shape = Shape(n=16, h=32, v=151936)
     assert_small(logprobs_errors(shape, dtype=torch.float32, backend="torch", entropy=True, seed=17), 1e-6,
-                 grad_tol=3e-6)
+                 grad_tol=1e-4)
     assert_small(grpo_errors(shape, dtype=torch.float32, backend="torch", entropy=True, seed=17), 1e-6,
-                 grad_tol=3e-6)
+                 grad_tol=1e-4)
