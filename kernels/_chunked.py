@@ -151,8 +151,10 @@ def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_si
     return logp, entropy, lse, sum_pz
 
 
-def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_temp, chunk_size):
-    """Gradients w.r.t. ``hidden`` and ``weight`` given the upstream gradients of logp (and entropy).
+def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_temp, chunk_size,
+             need_grad_hidden=True, need_grad_weight=True):
+    """Gradients w.r.t. ``hidden`` and ``weight`` given the upstream gradients of logp (and entropy); None for one
+    not needed (a frozen head: no ``[V, H]`` gradient buffer and no product 3; a frozen trunk: no product 2).
 
     With ``z = x * inv_temp``, ``x = hidden @ weight.T`` and ``p = softmax(z)``:
       d logp / dz_v    = onehot_v - p_v
@@ -168,8 +170,9 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
     if g_entropy is not None:
         g_entropy = g_entropy.float() * inv_temp
         nonzero |= g_entropy != 0
-    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [N, H]
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # [V, H]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.zeros(hidden.shape, **f32) if need_grad_hidden else None  # [N, H]
+    grad_weight = torch.zeros(weight.shape, **f32) if need_grad_weight else None  # [V, H]
     buf, chunks = _chunks(_select(nonzero, n, hidden.device), vocab, chunk_size)
     for idx in chunks:  # idx: [c]
         x = buf[:idx.numel()]
@@ -187,9 +190,12 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
                 p = blk.exp2()
                 blk.mul_(_LN2).add_(ent_c[sl]).mul_(-ge_c[sl]).sub_(g_c[sl]).mul_(p)
         x.scatter_add_(1, tgt, g_c)  # dX [c, V]
-        grad_hidden.index_copy_(0, idx, x @ w32)  # product 2
-        grad_weight.addmm_(x.T, h)  # product 3
-    return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype)
+        if need_grad_hidden:
+            grad_hidden.index_copy_(0, idx, x @ w32)  # product 2
+        if need_grad_weight:
+            grad_weight.addmm_(x.T, h)  # product 3
+    return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            None if grad_weight is None else grad_weight.to(weight.dtype))
 
 
 # ------------------------------------------------------------------------------ linear_grpo_loss (grad in fwd)
