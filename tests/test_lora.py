@@ -177,7 +177,7 @@ def _norm_lora(seed: int = 0):
     return parallelize_model(model, ParallelConfig(), device="cpu", world_size=1)
 
 
-def test_modules_to_save_train_the_norms_and_the_reference_keeps_the_originals():
+def test_modules_to_save_train_the_norms_and_the_reference_keeps_the_originals(tmp_path):
     torch.set_num_threads(1)
     model = _norm_lora()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -198,6 +198,17 @@ def test_modules_to_save_train_the_norms_and_the_reference_keeps_the_originals()
     params = dict(model.named_parameters())
     for n in saved:
         assert torch.equal(merged[lora.hf_name(n)], params[n]), n  # the trained copy, not the original
+
+    from peft import PeftModel
+
+    from fastgrpo import checkpoint as ckpt
+    from fastgrpo.model import load_tokenizer
+
+    tok = load_tokenizer(load_config(None, ["model.name_or_path=tiny"]).model)
+    ckpt.export_hf(tmp_path / "final", model=model, tokenizer=tok)  # the peft folder holds the trained norms too
+    loaded = parallelize_model(PeftModel.from_pretrained(dh.tiny_qwen2(), tmp_path / "final"), ParallelConfig(),
+                               device="cpu", world_size=1)
+    torch.testing.assert_close(_logprobs(loaded), _logprobs(model), rtol=0, atol=1e-5)
 
 
 def test_modules_to_save_config_checks():
