@@ -20,6 +20,8 @@ A loss-pass chunk, everything in one ``[C, V]`` float32 buffer ``x``, in place:
   5. ``grad_weight += x.T @ h``                          product 3, into the gradient itself
 Rows whose gradient is zero whatever their logits never enter products 2 and 3: token weight 0 (no product at
 all) and, when beta == 0, advantage 0 (every token of a group with equal rewards: forward only, for its logp).
+A gradient autograd does not need is never formed, on either use: a frozen lm_head (LoRA) skips product 3 and the
+``[V, H]`` gradient buffer, a frozen trunk skips product 2.
 Row selection uses ``nonzero()``, a host sync: free on CPU; on CUDA this backend is only the fallback (the
 Triton paths select rows on the device).
 
@@ -32,7 +34,8 @@ within both a device budget (``_budget_bytes``: 512 MiB, less on a device with u
 ``[N]`` vectors, and on the entropy paths ``[16, V]`` temporaries.
 
 Everything is computed in float32 (bf16 inputs are upcast chunk by chunk; the weight once, which costs one
-``[V, H]`` float32 copy, the size of the gradient buffer).
+``[V, H]`` float32 copy, the size of the gradient buffer, and one that a frozen bf16 head still pays; float32
+weights, the CPU default, are used as they are).
 """
 
 from __future__ import annotations
