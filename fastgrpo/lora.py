@@ -143,7 +143,8 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 def hf_name(name: str) -> str:
     """A peft parameter name -> the base model's Hugging Face name (``...q_proj.base_layer.weight`` ->
-    ``...q_proj.weight``, ``model.norm.modules_to_save.default.weight`` -> ``model.norm.weight``). Adapter names (``lora_A``/``lora_B``) are returned with the prefix removed only."""
+    ``...q_proj.weight``, ``model.norm.modules_to_save.default.weight`` -> ``model.norm.weight``). Adapter names
+    (``lora_A``/``lora_B``) are returned with the prefix removed only."""
     if name.startswith(_PEFT_PREFIX):
         name = name[len(_PEFT_PREFIX):]
     return _SAVED.sub(".", name.replace(_BASE_LAYER + ".", "."))

@@ -9,8 +9,8 @@ Shapes: N rows (tokens), H hidden size, V vocabulary size.
 Backends (picked per call by ``backends.resolve_backend``): ``"triton"`` (``_triton.py``) and ``"torch"``
 (``_chunked.py``) both expose ``forward(...) -> (logp, entropy, lse, sum_pz)`` and ``backward(...) -> (grad_hidden,
 grad_weight)``, None for a gradient autograd does not need (a frozen lm_head, e.g. under LoRA: no ``[V, H]`` buffer
-and no weight product; a frozen trunk: no hidden product); ``"cublas"`` (``_gradfwd.py``) runs here forward-only. This file holds the thin
-``autograd.Function`` and the public op.
+and no weight product; a frozen trunk: no hidden product); ``"cublas"`` (``_gradfwd.py``) runs here forward-only.
+This file holds the thin ``autograd.Function`` and the public op.
 """
 
 from __future__ import annotations

@@ -103,8 +103,8 @@ FROZEN = ("head", "trunk")
 def frozen_grads(shape: Shape, *, fn: str, frozen: str, backend: str, dtype=torch.float32, chunk_size=None,
                  seed=0, beta=0.0):
     """Gradients of ``fn`` (``"logprobs"``: ``linear_logprobs`` with entropy, random upstream gradients; ``"loss"``:
-    ``linear_grpo_loss`` with old log-probs, and reference ones when ``beta``) once with both inputs trainable and once with ``frozen`` (``"head"``: the weight, or
-    ``"trunk"``: hidden) detached, on the same inputs.
+    ``linear_grpo_loss`` with old log-probs, and reference ones when ``beta``) once with both inputs trainable and
+    once with ``frozen`` (``"head"``: the weight, or ``"trunk"``: hidden) detached, on the same inputs.
 
     Returns ``(full, part, created)``: ``full`` = (grad_hidden, grad_weight), ``part`` = the .grad of both inputs of
     the frozen run (None for the frozen one), ``created`` = the shapes of every tensor with new storage made during
