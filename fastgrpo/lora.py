@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import re
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -37,6 +38,10 @@ _INSTALL_HINT = "model.lora needs peft, which is not installed: pip install fast
 # The parts peft adds to a parameter's name: the wrapper prefix and the frozen layer inside a LoRA layer.
 _PEFT_PREFIX = "base_model.model."
 _BASE_LAYER = ".base_layer"
+# model.lora.modules_to_save: peft's trained copy (``model.norm.modules_to_save.default.weight``) and the frozen
+# original it keeps for the reference (``model.norm.original_module.weight``)
+_SAVED = re.compile(r"\.modules_to_save\.[^.]+\.")
+_ORIGINAL = ".original_module."
 
 
 def check_peft_available() -> None:
@@ -59,16 +64,27 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     if targets == ["all-linear"]:
         targets = "all-linear"  # peft's own shorthand: every nn.Linear but the output layer
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha if cfg.alpha is not None else 2 * cfg.rank,
-                              lora_dropout=cfg.dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM")
+                              lora_dropout=cfg.dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM",
+                              modules_to_save=list(cfg.modules_to_save) or None)
     try:
         peft_model = get_peft_model(model, peft_cfg)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-        raise ValueError(f"model.lora.target_modules: {e}") from e
+        field = "modules_to_save" if "modules_to_save" in str(e) else "target_modules"
+        raise ValueError(f"model.lora.{field}: {e}") from e
     from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
 
     if isinstance(peft_model.get_output_embeddings(), BaseTunerLayer):
         raise ValueError("model.lora.target_modules: the output layer (lm_head) cannot take an adapter: the fused "
                          "head kernels read lm_head.weight, which would bypass it")
+    wrapped = [n for n, m in peft_model.named_modules() if isinstance(m, AuxiliaryTrainingWrapper)]
+    missing = [m for m in cfg.modules_to_save if not any(n.endswith(m) for n in wrapped)]
+    if missing:  # peft leaves them out silently
+        raise ValueError(f"model.lora.modules_to_save: {missing} matched no module")
+    if any(isinstance(m, AuxiliaryTrainingWrapper)
+           for m in (peft_model.get_output_embeddings(), peft_model.get_input_embeddings())):
+        raise ValueError("model.lora.modules_to_save: the embeddings and lm_head cannot be trained in full here: "
+                         "the fused head kernels read lm_head.weight, which would bypass a trained copy")
     if not any(p.requires_grad for p in peft_model.parameters()):
         raise ValueError(f"model.lora.target_modules: {cfg.target_modules} matched no linear layer")
     return peft_model
@@ -109,8 +125,10 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     is flipped.
     """
     from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
 
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    # AuxiliaryTrainingWrapper: model.lora.modules_to_save, whose forward runs the frozen original when disabled
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
     if not layers or not all(hasattr(m, "_disable_adapters") for m in layers):
         raise RuntimeError("fastgrpo.lora: this peft version has no BaseTunerLayer._disable_adapters switch; "
                            "install peft==0.21.2 (pip install fastgrpo[lora])")
@@ -125,10 +143,11 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 def hf_name(name: str) -> str:
     """A peft parameter name -> the base model's Hugging Face name (``...q_proj.base_layer.weight`` ->
-    ``...q_proj.weight``). Adapter names (``lora_A``/``lora_B``) are returned with the prefix removed only."""
+    ``...q_proj.weight``, ``model.norm.modules_to_save.default.weight`` -> ``model.norm.weight``). Adapter names
+    (``lora_A``/``lora_B``) are returned with the prefix removed only."""
     if name.startswith(_PEFT_PREFIX):
         name = name[len(_PEFT_PREFIX):]
-    return name.replace(_BASE_LAYER + ".", ".")
+    return _SAVED.sub(".", name.replace(_BASE_LAYER + ".", "."))
 
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -152,6 +171,8 @@ def merged_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
     layers = _lora_layers(model)
     held: dict[str, dict[str, torch.Tensor]] = {}  # module name -> {"W": .., "A": .., "B": ..}
     for name, t in named_tensors:
+        if _ORIGINAL in name:  # the frozen original of a module trained in full: the engine gets the trained copy
+            continue
         name = hf_name(name)
         module, _, leaf = name.rpartition(".")
         if ".lora_A." in name or ".lora_B." in name:

@@ -20,6 +20,8 @@ A loss-pass chunk, everything in one ``[C, V]`` float32 buffer ``x``, in place:
   5. ``grad_weight += x.T @ h``                          product 3, into the gradient itself
 Rows whose gradient is zero whatever their logits never enter products 2 and 3: token weight 0 (no product at
 all) and, when beta == 0, advantage 0 (every token of a group with equal rewards: forward only, for its logp).
+A gradient autograd does not need is never formed, on either use: a frozen lm_head (LoRA) skips product 3 and the
+``[V, H]`` gradient buffer, a frozen trunk skips product 2.
 Row selection uses ``nonzero()``, a host sync: free on CPU; on CUDA this backend is only the fallback (the
 Triton paths select rows on the device).
 
@@ -32,7 +34,8 @@ within both a device budget (``_budget_bytes``: 512 MiB, less on a device with u
 ``[N]`` vectors, and on the entropy paths ``[16, V]`` temporaries.
 
 Everything is computed in float32 (bf16 inputs are upcast chunk by chunk; the weight once, which costs one
-``[V, H]`` float32 copy, the size of the gradient buffer). On CUDA that makes every product a float32 GEMM
+``[V, H]`` float32 copy, the size of the gradient buffer, and one that a frozen bf16 head still pays; float32
+weights, the CPU default, are used as they are). On CUDA that makes every product a float32 GEMM
 without tensor cores: ``linear_logprobs(backend="torch")`` measured 15-21x the bf16 three-product floor on an
 H100 (benchmarks/bench_kernels.py). That is the float32 / bf16 peak ratio (67 against 989 TFLOP/s on an H100
 SXM) times four products over three, not the chunking: at N = 32768, H = 2048, V = 151936 the 512 MiB budget gives
@@ -156,8 +159,10 @@ def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_si
     return logp, entropy, lse, sum_pz
 
 
-def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_temp, chunk_size):
-    """Gradients w.r.t. ``hidden`` and ``weight`` given the upstream gradients of logp (and entropy).
+def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_temp, chunk_size,
+             need_grad_hidden=True, need_grad_weight=True):
+    """Gradients w.r.t. ``hidden`` and ``weight`` given the upstream gradients of logp (and entropy); None for one
+    not needed (a frozen head: no ``[V, H]`` gradient buffer and no product 3; a frozen trunk: no product 2).
 
     With ``z = x * inv_temp``, ``x = hidden @ weight.T`` and ``p = softmax(z)``:
       d logp / dz_v    = onehot_v - p_v
@@ -173,8 +178,9 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
     if g_entropy is not None:
         g_entropy = g_entropy.float() * inv_temp
         nonzero |= g_entropy != 0
-    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [N, H]
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # [V, H]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.zeros(hidden.shape, **f32) if need_grad_hidden else None  # [N, H]
+    grad_weight = torch.zeros(weight.shape, **f32) if need_grad_weight else None  # [V, H]
     buf, chunks = _chunks(_select(nonzero, n, hidden.device), vocab, chunk_size)
     for idx in chunks:  # idx: [c]
         x = buf[:idx.numel()]
@@ -192,9 +198,12 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
                 p = blk.exp2()
                 blk.mul_(_LN2).add_(ent_c[sl]).mul_(-ge_c[sl]).sub_(g_c[sl]).mul_(p)
         x.scatter_add_(1, tgt, g_c)  # dX [c, V]
-        grad_hidden.index_copy_(0, idx, x @ w32)  # product 2
-        grad_weight.addmm_(x.T, h)  # product 3
-    return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype)
+        if need_grad_hidden:
+            grad_hidden.index_copy_(0, idx, x @ w32)  # product 2
+        if need_grad_weight:
+            grad_weight.addmm_(x.T, h)  # product 3
+    return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            None if grad_weight is None else grad_weight.to(weight.dtype))
 
 
 # ------------------------------------------------------------------------------ linear_grpo_loss (grad in fwd)

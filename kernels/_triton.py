@@ -386,16 +386,21 @@ def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_si
     return outs
 
 
-def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_temp, chunk_size, blocks=None):
+def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_temp, chunk_size, blocks=None,
+             need_grad_hidden=True, need_grad_weight=True):
     """Gradients w.r.t. ``hidden`` and ``weight``; see the module docstring for the maths and the chunking.
-    ``blocks`` overrides the tile sizes (and may pin ``SPLIT_K`` / ``GROUP``, for tests)."""
+    ``blocks`` overrides the tile sizes (and may pin ``SPLIT_K`` / ``GROUP``, for tests).
+
+    A gradient not needed is None and costs nothing: without ``need_grad_weight`` (a frozen lm_head)
+    ``_dweight_kernel`` does not run and no ``[V, H]`` buffer is allocated; without ``need_grad_hidden``
+    ``_dhidden_kernel`` does not run and neither ``grad_hidden`` nor the split-K partials are allocated."""
     hidden, weight = hidden.contiguous(), weight.contiguous()
     n, h_dim = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
-    grad_hidden = torch.zeros_like(hidden)  # [N, H]; unselected rows stay 0
+    grad_hidden = torch.zeros_like(hidden) if need_grad_hidden else None  # [N, H]; unselected rows stay 0
     if n == 0:
-        return grad_hidden, torch.zeros_like(weight)
+        return grad_hidden, torch.zeros_like(weight) if need_grad_weight else None
     cfg = _blocks(hidden.dtype, blocks)
     elt = hidden.element_size()
     g_logp = g_logp.float().contiguous()
@@ -413,8 +418,10 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
     dx = torch.empty((chunk, vocab), dtype=hidden.dtype, device=dev)  # [C, V]
     # grad_weight: written directly in its dtype when there is one chunk; else summed in a float32 buffer that
     # the last chunk reads and converts (see _dweight_kernel's modes).
-    grad_weight = torch.empty_like(weight)
-    acc_w = grad_weight if n_chunks == 1 else torch.empty(weight.shape, dtype=torch.float32, device=dev)  # [V, H]
+    grad_weight = acc_w = None
+    if need_grad_weight:
+        grad_weight = torch.empty_like(weight)
+        acc_w = grad_weight if n_chunks == 1 else torch.empty(weight.shape, dtype=torch.float32, device=dev)  # [V, H]
     common = dict(UPCAST=INTERPRET, PRECISION=_precision(hidden.dtype))
     group_m = cfg.get("GROUP") or l2_group(bm * h_dim * elt, num_m, l2)  # dlogits re-reads hidden row blocks
     group_h = cfg.get("GROUP") or l2_group(chunk * bh * elt, num_h, l2)  # dweight re-reads hidden column tiles
@@ -427,13 +434,15 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
         return (dx, weight, rows, n_active, grad_hidden, part, start, chunk, vocab, h_dim, dx.stride(0),
                 weight.stride(0), grad_hidden.stride(0), k_len, num_m, num_h, group_dh)
 
-    if "SPLIT_K" in cfg:
-        n_split = cfg["SPLIT_K"]
-    else:  # the tail: programs = row blocks x H tiles is often just over a multiple of the resident count
-        slots = resident_programs(_dhidden_kernel, dh_args(0, 2, 1, dx), dict(dh_kw, SPLIT_K=False), dev)
-        n_split = split_k(num_m * num_h, k_tiles, slots)
-    k_len = triton.cdiv(k_tiles, n_split) * cfg["BLOCK_K"]
-    n_split = triton.cdiv(vocab, k_len)
+    n_split, k_len = 1, vocab  # no product 2 at all without need_grad_hidden
+    if need_grad_hidden:
+        if "SPLIT_K" in cfg:
+            n_split = cfg["SPLIT_K"]
+        else:  # the tail: programs = row blocks x H tiles is often just over a multiple of the resident count
+            slots = resident_programs(_dhidden_kernel, dh_args(0, 2, 1, dx), dict(dh_kw, SPLIT_K=False), dev)
+            n_split = split_k(num_m * num_h, k_tiles, slots)
+        k_len = triton.cdiv(k_tiles, n_split) * cfg["BLOCK_K"]
+        n_split = triton.cdiv(vocab, k_len)
     part = torch.empty((n_split, chunk, h_dim), dtype=torch.float32, device=dev) if n_split > 1 else dx  # [S, C, H]
 
     for i, start in enumerate(range(0, n, chunk)):
@@ -444,13 +453,16 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
             num_m, num_v, group_m,
             HAS_ENT=g_entropy is not None, **common, **_launch_kw(cfg, "BLOCK_M", "BLOCK_V", "BLOCK_K"),
         )
-        if n_split > 1:
-            part.zero_()  # row blocks past the selected count return without writing
-        _dhidden_kernel[(num_m * num_h * n_split,)](*dh_args(start, k_len, n_split, part), SPLIT_K=n_split > 1,
-                                                    **dh_kw)
-        if n_split > 1:
-            c = min(chunk, n - start)
-            grad_hidden.index_copy_(0, rows[start:start + c].long(), part[:, :c].sum(0).to(hidden.dtype))
+        if need_grad_hidden:
+            if n_split > 1:
+                part.zero_()  # row blocks past the selected count return without writing
+            _dhidden_kernel[(num_m * num_h * n_split,)](*dh_args(start, k_len, n_split, part), SPLIT_K=n_split > 1,
+                                                        **dh_kw)
+            if n_split > 1:
+                c = min(chunk, n - start)
+                grad_hidden.index_copy_(0, rows[start:start + c].long(), part[:, :c].sum(0).to(hidden.dtype))
+        if not need_grad_weight:
+            continue
         mode = 0 if i == 0 else (2 if i == n_chunks - 1 else 1)
         _dweight_kernel[(num_h * num_v,)](
             dx, hidden, rows, n_active, acc_w, grad_weight if mode == 2 else acc_w,

@@ -29,7 +29,8 @@ BACKENDS = ("auto", "cublas", "triton", "torch")
 """Every accepted ``backend=`` name."""
 
 # The backends of the recompute autograd function (logprobs.FusedLinearLogprobs): forward(...) -> (logp, entropy,
-# lse, sum_pz) and backward(...) -> (grad_hidden, grad_weight).
+# lse, sum_pz) and backward(..., need_grad_hidden, need_grad_weight) -> (grad_hidden, grad_weight), each None
+# where not needed.
 _RECOMPUTE = {"torch": _chunked}
 if _triton is not None:
     _RECOMPUTE["triton"] = _triton

@@ -207,6 +207,9 @@ class _GradInForwardLoss(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.grads
         if g_loss is None:
             return (None,) * 11
+        # Dropped from ctx so that the returned gradients have no other owner: autograd then moves grad_weight into
+        # weight.grad instead of cloning it (a clone would hold a second [V, H] at the peak).
+        ctx.grads = (None, None)
         if ctx.used:
             raise RuntimeError("linear_grpo_loss(backend='cublas' or 'torch') computes its gradients once, in "
                                "forward, and scales them in place: a second backward through it is not supported "

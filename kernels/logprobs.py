@@ -8,8 +8,9 @@ Shapes: N rows (tokens), H hidden size, V vocabulary size.
 
 Backends (picked per call by ``backends.resolve_backend``): ``"triton"`` (``_triton.py``) and ``"torch"``
 (``_chunked.py``) both expose ``forward(...) -> (logp, entropy, lse, sum_pz)`` and ``backward(...) -> (grad_hidden,
-grad_weight)``; ``"cublas"`` (``_gradfwd.py``) runs here forward-only. This file holds the thin
-``autograd.Function`` and the public op.
+grad_weight)``, None for a gradient autograd does not need (a frozen lm_head, e.g. under LoRA: no ``[V, H]`` buffer
+and no weight product; a frozen trunk: no hidden product); ``"cublas"`` (``_gradfwd.py``) runs here forward-only.
+This file holds the thin ``autograd.Function`` and the public op.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class FusedLinearLogprobs(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.impl.backward(
             hidden, weight, targets, lse, sum_pz, g_logp, g_entropy,
             inv_temp=ctx.inv_temp, chunk_size=ctx.chunk_size,
+            need_grad_hidden=ctx.needs_input_grad[0], need_grad_weight=ctx.needs_input_grad[1],
         )
         return grad_hidden, grad_weight, None, None, None, None, None, None
 

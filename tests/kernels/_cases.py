@@ -94,3 +94,71 @@ def assert_small(errs: dict, tol: float, *, grad_tol: float | None = None, stat_
     for key, err in errs.items():
         limit = grad_tol if key.startswith("grad") else stat_tol if key.endswith(("frac", "_zero")) else tol
         assert err <= limit, f"{key}: error {err:.3g} > {limit:.3g} (all: {errs})"
+
+
+# ------------------------------------------------------- a frozen head (LoRA) or a frozen trunk: skipped gradients
+FROZEN = ("head", "trunk")
+
+
+def frozen_grads(shape: Shape, *, fn: str, frozen: str, backend: str, dtype=torch.float32, chunk_size=None,
+                 seed=0, beta=0.0):
+    """Gradients of ``fn`` (``"logprobs"``: ``linear_logprobs`` with entropy, random upstream gradients; ``"loss"``:
+    ``linear_grpo_loss`` with old log-probs, and reference ones when ``beta``) once with both inputs trainable and
+    once with ``frozen`` (``"head"``: the weight, or ``"trunk"``: hidden) detached, on the same inputs.
+
+    Returns ``(full, part, created)``: ``full`` = (grad_hidden, grad_weight), ``part`` = the .grad of both inputs of
+    the frozen run (None for the frozen one), ``created`` = the shapes of every tensor with new storage made during
+    the frozen run (forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    inp = make_inputs(shape, dtype=dtype, seed=seed, zero_weight_frac=0.2)
+    gen = torch.Generator().manual_seed(seed + 1)
+    up_lp, up_ent = torch.randn(shape.n, generator=gen), torch.randn(shape.n, generator=gen)
+    with torch.no_grad():
+        lp = reference_linear_logprobs(inp["hidden"].double(), inp["weight"].double(), inp["targets"])
+    loss_kw = dict(old_logprobs=perturbed(lp, std=0.3, seed=seed + 2), beta=beta,
+                   ref_logprobs=perturbed(lp, std=0.2, seed=seed + 3) if beta else None)
+
+    def run(hidden, weight):
+        if fn == "logprobs":
+            lp, ent = linear_logprobs(hidden, weight, inp["targets"], return_entropy=True, backend=backend,
+                                      temperature=0.8, chunk_size=chunk_size)
+            out = (lp * up_lp + ent * up_ent).sum()
+        else:
+            out, _ = linear_grpo_loss(hidden, weight, inp["targets"], inp["advantages"], inp["token_weights"],
+                                      backend=backend, chunk_size=chunk_size, **loss_kw)
+        out.backward()
+
+    run(inp["hidden"], inp["weight"])
+    full = (inp["hidden"].grad, inp["weight"].grad)
+    hidden, weight = (x.detach().clone().requires_grad_(name != frozen)
+                      for x, name in ((inp["hidden"], "trunk"), (inp["weight"], "head")))
+    existing = {hidden.untyped_storage().data_ptr(), weight.untyped_storage().data_ptr()}
+
+    class Created(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in existing:
+                    self.shapes.append(tuple(t.shape))
+            return out
+
+    with Created() as seen:
+        run(hidden, weight)
+    return full, (hidden.grad, weight.grad), seen.shapes
+
+
+def assert_frozen_skips_its_gradient(shape: Shape, *, frozen: str, **kw) -> None:
+    """The gradient taken equals the full computation's bit for bit and the frozen input gets none; with a frozen
+    head no ``[V, H]`` tensor is created (the products run are counted in test_torch_path.py)."""
+    full, part, created = frozen_grads(shape, frozen=frozen, **kw)
+    kept = 0 if frozen == "head" else 1
+    assert part[1 - kept] is None
+    assert torch.equal(part[kept], full[kept]) and part[kept].any()
+    if frozen == "head":
+        assert (shape.v, shape.h) not in created, created

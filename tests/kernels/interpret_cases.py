@@ -9,7 +9,14 @@ import os
 
 import pytest
 import torch
-from _cases import assert_bf16_loss_error_at_most_twice_plain, assert_small, grpo_errors, logprobs_errors
+from _cases import (
+    FROZEN,
+    assert_bf16_loss_error_at_most_twice_plain,
+    assert_frozen_skips_its_gradient,
+    assert_small,
+    grpo_errors,
+    logprobs_errors,
+)
 
 from benchmarks.harness import Shape, make_inputs, rel_err
 from fastgrpo.kernels import linear_grpo_loss, reference_linear_grpo_loss, reference_linear_logprobs
@@ -317,3 +324,15 @@ def test_cublas_products_reduce_in_float32_and_settings_are_restored():
         assert not matmul.allow_bf16_reduced_precision_reduction
         raise RuntimeError("boom")
     assert matmul.allow_bf16_reduced_precision_reduction
+
+
+# ------------------------------------------------------- a frozen head (LoRA) or a frozen trunk (issue 14)
+@pytest.mark.parametrize("frozen", FROZEN)
+@pytest.mark.parametrize("backend, fn, chunk_size", [("triton", "logprobs", 16), ("triton", "logprobs", None),
+                                                     ("triton", "loss", 16), ("cublas", "loss", 16)],
+                         ids=["triton-logprobs-chunks", "triton-logprobs-one-chunk", "triton-loss", "cublas-loss"])
+def test_frozen_input_gets_no_gradient_and_no_buffer(backend, fn, chunk_size, frozen):
+    # Three backward chunks run the float32 [V, H] running sum, one chunk writes grad_weight directly: with a frozen
+    # head neither exists. The gradient still taken is bit-identical to the full computation's.
+    assert_frozen_skips_its_gradient(SHAPE, fn=fn, frozen=frozen, backend=backend, chunk_size=chunk_size, seed=30,
+                                     beta=0.1)

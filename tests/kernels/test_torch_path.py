@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.utils._python_dispatch
-from _cases import assert_small, grpo_errors, logprobs_errors
+from _cases import FROZEN, assert_frozen_skips_its_gradient, assert_small, frozen_grads, grpo_errors, logprobs_errors
 
-from benchmarks.harness import Shape, make_inputs, rel_err
+from benchmarks.harness import Shape, make_inputs, peak_cpu_alloc_mb, rel_err
 from fastgrpo.kernels import linear_grpo_loss, linear_logprobs, reference_linear_grpo_loss
 
 TOL = 1e-5
@@ -251,3 +251,58 @@ def test_precise_at_a_large_vocabulary():
                  grad_tol=1e-4)
     assert_small(grpo_errors(shape, dtype=torch.float32, backend="torch", entropy=True, seed=17), 1e-6,
                  grad_tol=1e-4)
+
+
+# ------------------------------------------- a frozen head (LoRA) or a frozen trunk: only the gradient taken is formed
+FROZEN_SHAPE = Shape(n=64, h=48, v=509)  # [V, H] larger than any chunk buffer or [N, H] tensor
+
+
+@pytest.mark.parametrize("frozen", FROZEN)
+@pytest.mark.parametrize("fn", ["logprobs", "loss"])
+def test_frozen_input_gets_no_gradient_and_the_other_is_bit_identical(fn, frozen):
+    assert_frozen_skips_its_gradient(FROZEN_SHAPE, fn=fn, frozen=frozen, backend="torch", chunk_size=16, seed=20,
+                                     beta=0.1)
+
+
+@pytest.mark.parametrize("frozen", [None, *FROZEN])
+@pytest.mark.parametrize("fn", ["logprobs", "loss"])
+def test_frozen_input_skips_its_product(fn, frozen):
+    # Recompute path: 4 products (forward, recomputed logits, one per gradient); loss path: 3. A frozen input drops
+    # the product that forms its gradient.
+    shape = FROZEN_SHAPE
+    inp = make_inputs(shape, dtype=torch.float32, seed=21)
+    hidden = inp["hidden"].detach().requires_grad_(frozen != "trunk")
+    weight = inp["weight"].detach().requires_grad_(frozen != "head")
+    with _Products() as seen:
+        if fn == "logprobs":
+            linear_logprobs(hidden, weight, inp["targets"], backend="torch").sum().backward()
+        else:
+            linear_grpo_loss(hidden, weight, inp["targets"], inp["advantages"], inp["token_weights"],
+                             backend="torch")[0].backward()
+    products = (4 if fn == "logprobs" else 3) - (frozen is not None)
+    assert seen.macs == products * shape.n * shape.v * shape.h
+
+
+@pytest.mark.parametrize("fn", ["logprobs", "loss"])
+def test_frozen_head_peak_memory_is_smaller_by_the_weight_gradient(fn):
+    # The allocator's own events (harness.peak_cpu_alloc_mb, the figure bench_lora.py head reports): a frozen head
+    # saves the float32 [V, H] gradient and holds nothing of that size. Each peak starts with no .grad to free.
+    shape = Shape(n=128, h=64, v=4096)
+    inp = make_inputs(shape, dtype=torch.float32, seed=22)
+    vh_mb = shape.v * shape.h * 4 / 2**20
+
+    def peak(weight):
+        def step():
+            if fn == "logprobs":
+                linear_logprobs(inp["hidden"], weight, inp["targets"], backend="torch", chunk_size=32).sum().backward()
+            else:
+                linear_grpo_loss(inp["hidden"], weight, inp["targets"], inp["advantages"], inp["token_weights"],
+                                 backend="torch", chunk_size=32)[0].backward()
+        inp["hidden"].grad = inp["weight"].grad = None
+        return peak_cpu_alloc_mb(step)
+
+    trainable, frozen = peak(inp["weight"]), peak(inp["weight"].detach())
+    assert trainable >= vh_mb and frozen <= trainable - 0.99 * vh_mb, (trainable, frozen)
+    assert frozen < vh_mb
+    # The loss path's gradient, formed in forward, is moved into weight.grad, not cloned: one [V, H] at the peak.
+    assert trainable < 2 * vh_mb, trainable
