@@ -247,3 +247,54 @@ def test_lora_sft_learns_with_the_norms_trained(tmp_path):
     first, last = sum(nll[:3]) / 3, sum(nll[-3:]) / 3
     assert last < 0.9 * first and last < 4.6, nll  # below the adapters-only plateau (4.69)
     assert nll[-1] < min(nll[:15]), nll  # still improving in the second half
+
+
+_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+
+
+@pytest.fixture(scope="module")
+def pretrained_tiny(tmp_path_factory):
+    """A tiny base whose head is trained, as a LoRA user's pretrained model is: full-weight SFT (30 steps, ~5 s) on
+    sums written in digits ("2 + 3 =" -> " 5") and in words ("two plus three is" -> " five"), exported with
+    checkpoint.export_hf. It never saw the toy prompts: on them it answers with a digit about 2 times in 100."""
+    import json
+
+    from fastgrpo.sft import SFTConfig, SFTTrainer
+    from test_sft import BASE
+
+    tmp = tmp_path_factory.mktemp("pretrained")
+    rows = [{"prompt": f"{a} + {b} =", "completion": f" {a + b}"} for a in range(6) for b in range(6)]
+    rows += [{"prompt": f"{_WORDS[a]} plus {_WORDS[b]} is", "completion": f" {_WORDS[a + b]}"}
+             for a in range(6) for b in range(6)]
+    (tmp / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, BASE + [f"data.source={tmp / 'sums.jsonl'}", "data.num_eval=2", "data.system_prompt=''",
+                                    "sft.batch_size=32", "max_steps=30", "optim.lr=1e-2", f"output_dir={tmp}",
+                                    "name=sft", "checkpoint.export_hf=true"], cls=SFTConfig)
+    torch.set_num_threads(1)
+    SFTTrainer(cfg).run()
+    return tmp / "sft" / "final"
+
+
+def _lora_toy_rewards(base, tmp_path, sign: float) -> list[float]:
+    from fastgrpo.trainer import Trainer
+    from test_trainer import TOY, _rewards
+
+    cfg = load_config(None, TOY + [f"output_dir={tmp_path}", f"name=lora{sign}", "max_steps=20",
+                                   f"model.name_or_path={base}", "model.lora.rank=8", f"rewards.weights=[{sign}]"])
+    trainer = Trainer(cfg)
+    assert trainer.cfg.model.lora.enabled
+    trainer.run()
+    return _rewards(tmp_path / f"lora{sign}")
+
+
+def test_grpo_learns_the_toy_task_with_lora_from_a_trained_head(pretrained_tiny, tmp_path):
+    """tests/test_trainer.py::test_grpo_learns_the_toy_task with LoRA (adapters only; head and norms frozen), from a
+    base whose head was trained on another task. From the random tiny model it cannot learn: that head is frozen at
+    logits within about +-1.3 (benchmarks/RESULTS.md). The control runs the same LoRA training with the reward's
+    sign flipped: the rise comes from the adapters following the reward, not from the base."""
+    rewards = _lora_toy_rewards(pretrained_tiny, tmp_path, 1.0)
+    start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert start < 0.3, rewards  # the same criterion as the full fine-tuning test
+    assert end > 0.8, rewards
+    flipped = [-r for r in _lora_toy_rewards(pretrained_tiny, tmp_path, -1.0)]  # back to the toy_digit scale
+    assert max(flipped[-10:]) < 0.2, flipped
