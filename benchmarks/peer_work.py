@@ -60,6 +60,12 @@ SHARED = dict(temperature=1.0, top_p=1.0, beta=0.0, loss_type="dr_grpo", scale_r
               num_iterations=1, rewards=("format", "countdown"), system_prompt="", template="chat")
 """GRPO settings both sides get (the one source: both config builders read it)."""
 
+FASTGRPO_ATTN = {"sdpa": "sdpa_varlen"}
+"""The same attention kernel under fastgrpo's name for packed rows: TRL runs torch's sdpa on padded rows with
+``is_causal``; fastgrpo packs its micro-batches, and its ``"sdpa"`` would give sdpa one dense ``[T, T]`` block-causal
+mask per packed row (T = every token of the micro-batch, 5,376 on the tiny work), which sdpa's CPU kernel computes in
+full. ``"sdpa_varlen"`` (fastgrpo's default on CPU) calls the same sdpa with ``is_causal`` once per sequence."""
+
 
 def spread_reward(completions, completion_ids, **_):
     """(sum of the completion's token ids mod 101) / 100: deterministic, and it differs between the samples of
@@ -82,7 +88,7 @@ def fastgrpo_config(spec: dict) -> dict:
         "name": "fastgrpo", "output_dir": spec["run_dir"], "max_steps": spec["warmup"] + spec["steps"],
         "seed": spec["seed"], "device": spec["device"],
         "model": {"name_or_path": spec["model_dir"], "dtype": "auto" if cuda else "float32",
-                  "attn_implementation": s["attn"]},
+                  "attn_implementation": FASTGRPO_ATTN.get(s["attn"], s["attn"])},
         "data": {"source": spec["prompts_file"], "template": s["template"], "system_prompt": s["system_prompt"],
                  "num_eval": 1},
         "rewards": {"funcs": [*s["rewards"], f"{HERE}:spread_reward"], **_in_process_rewards()},
@@ -143,7 +149,9 @@ def settings_of_fastgrpo(tree: dict) -> dict:
                 beta=g["beta"], loss_type=g["loss_type"], scale_rewards=g["scale_rewards"],
                 epsilon=(g["epsilon_low"], g["epsilon_high"]), num_iterations=g["num_iterations"], lr=o["lr"],
                 betas=tuple(o["betas"]), weight_decay=o["weight_decay"], max_grad_norm=o["max_grad_norm"],
-                schedule=o["schedule"], warmup=o["warmup_steps"], attn=tree["model"]["attn_implementation"],
+                schedule=o["schedule"], warmup=o["warmup_steps"],
+                attn={v: k for k, v in FASTGRPO_ATTN.items()}.get(tree["model"]["attn_implementation"],
+                                                                   tree["model"]["attn_implementation"]),
                 steps=tree["max_steps"], vllm=r["engine"] == "vllm")
 
 
