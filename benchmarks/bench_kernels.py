@@ -281,6 +281,16 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _write_csv(path: Path, header: str, rows: list[dict]) -> None:
+    """The rows as CSV under a ``# header`` line (device, versions, date, command)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        f.write(f"# {header}\n")
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes; runs on CPU")
@@ -321,12 +331,7 @@ def main(argv=None) -> int:
     print()
     print(markdown(rows))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as f:
-            f.write(f"# {header}\n")
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        _write_csv(args.out, header, rows)
     return 0
 
 
@@ -344,12 +349,7 @@ def _main_cpu(args, methods, parser) -> int:
     print()
     print(markdown_cpu(rows))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as f:
-            f.write(f"# {header}\n")
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        _write_csv(args.out, header, rows)
     return 0
 
 

@@ -6,6 +6,7 @@ returns relative errors against the float64 reference evaluated on the same inpu
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.harness import Shape, make_inputs, perturbed, rel_err
@@ -87,6 +88,16 @@ def assert_bf16_loss_error_at_most_twice_plain(shape: Shape, *, device, backend,
     plain, ours = errors(shape, device=device, chunk_size=chunk_size, seed=seed, paths=("plain bf16 torch", backend))
     for what, o, p in zip(("loss", "grad_hidden", "grad_weight"), ours[1:], plain[1:]):
         assert o <= 2 * p + 1e-6, f"{backend} {what}: error {o:.3g} > 2 x {p:.3g}"
+
+
+def assert_second_backward_refused(shape: Shape, *, backend: str, seed: int) -> None:
+    """The gradient-in-forward loss paths store their gradients once: a second backward is a clear error."""
+    inp = make_inputs(shape, dtype=torch.float32, seed=seed)
+    loss, _ = linear_grpo_loss(inp["hidden"], inp["weight"], inp["targets"], inp["advantages"],
+                               inp["token_weights"], backend=backend)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
 
 
 def assert_small(errs: dict, tol: float, *, grad_tol: float | None = None, stat_tol: float = 1e-6):

@@ -13,6 +13,7 @@ from _cases import (
     FROZEN,
     assert_bf16_loss_error_at_most_twice_plain,
     assert_frozen_skips_its_gradient,
+    assert_second_backward_refused,
     assert_small,
     grpo_errors,
     logprobs_errors,
@@ -170,12 +171,7 @@ def test_cublas_never_builds_tokens_by_vocab():
 
 
 def test_cublas_second_backward_is_refused_clearly():
-    inp = make_inputs(SHAPE, dtype=torch.float32, seed=11)
-    loss, _ = linear_grpo_loss(inp["hidden"], inp["weight"], inp["targets"], inp["advantages"],
-                               inp["token_weights"], backend="cublas")
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="second backward"):
-        loss.backward()
+    assert_second_backward_refused(SHAPE, backend="cublas", seed=11)
 
 
 def test_cublas_logprobs_forward_matches_the_loss_path_and_has_no_backward():

@@ -3,7 +3,8 @@
 import pytest
 import torch
 import torch.utils._python_dispatch
-from _cases import FROZEN, assert_frozen_skips_its_gradient, assert_small, frozen_grads, grpo_errors, logprobs_errors
+from _cases import (FROZEN, assert_frozen_skips_its_gradient, assert_second_backward_refused, assert_small,
+                    grpo_errors, logprobs_errors)
 
 from benchmarks.harness import Shape, make_inputs, peak_cpu_alloc_mb, rel_err
 from fastgrpo.kernels import linear_grpo_loss, linear_logprobs, reference_linear_grpo_loss
@@ -171,12 +172,7 @@ def test_loss_path_skips_rows_without_gradient():
 
 
 def test_loss_path_second_backward_is_refused_clearly():
-    inp = make_inputs(SMALL, dtype=torch.float32, seed=13)
-    loss, _ = linear_grpo_loss(inp["hidden"], inp["weight"], inp["targets"], inp["advantages"],
-                               inp["token_weights"], backend="torch")
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="second backward"):
-        loss.backward()
+    assert_second_backward_refused(SMALL, backend="torch", seed=13)
 
 
 def test_loss_path_scales_by_upstream_gradient_and_skips_frozen_weight():
