@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -54,6 +54,9 @@ class SFTOptions:
     trace: str = field(default="steps", metadata=registry("fastgrpo.data.sft:TRACES"))
     """data.source=countdown: how a solver's solution is written ('answer': equation only; 'steps': the
     intermediate results, then the equation)."""
+    solution: Literal["first", "random"] = "first"
+    """data.source=countdown: which solution a trace shows: the solver's first, or one drawn from all of the
+    problem's solutions (fastgrpo.data.sft.SOLUTIONS)."""
     near_miss: float = 0.0
     """data.source=countdown: share of training traces that show an honest attempt missing the target by as little
     as any, instead of a solution (held-out traces are solutions)."""
@@ -103,7 +106,7 @@ class SFTTrainer(TrainingLoop):
         self.tokenizer = load_tokenizer(cfg.model, seed=cfg.seed)
         # Cheap checks first: bad rows fail before the model loads.
         train, held_out, self.data_info = build_sft_datasets(cfg.data, trace=cfg.sft.trace, tokenizer=self.tokenizer,
-                                                             near_miss=cfg.sft.near_miss)
+                                                             near_miss=cfg.sft.near_miss, solution=cfg.sft.solution)
         self.train_ids = [self._encode(p) for p in train]  # [(prompt ids, completion ids)]
         self.eval_pairs = held_out[:cfg.eval.num_prompts]
         self.sampler = PromptSampler(len(self.train_ids), seed=cfg.data.seed, rank=self.rank,

@@ -7,7 +7,7 @@ import pytest
 
 from fastgrpo.config import DataConfig
 from fastgrpo.data.countdown import generate_problems, iter_solutions
-from fastgrpo.data.sft import TRACES, build_sft_datasets, countdown_trace, rows_to_pairs
+from fastgrpo.data.sft import SOLUTIONS, TRACES, build_sft_datasets, countdown_trace, rows_to_pairs
 from fastgrpo.rewards.countdown import countdown_reward
 from fastgrpo.rewards.format import format_reward
 
@@ -21,17 +21,30 @@ def tiny_tokenizer(tmp_path_factory):
     return load_tokenizer(ModelConfig(name_or_path=str(build_tiny(cache_dir=tmp_path_factory.mktemp("tiny")))))
 
 
+@pytest.mark.parametrize("solution", SOLUTIONS)
 @pytest.mark.parametrize("style", sorted(TRACES))
 @pytest.mark.parametrize("dist", [dict(min_numbers=3, max_numbers=4, max_value=99),
                                   dict(min_numbers=3, max_numbers=3, max_value=9)])
-def test_every_trace_is_a_solution_the_rewards_score_one(style, dist):
+def test_every_trace_is_a_solution_the_rewards_score_one(style, dist, solution):
     rows = generate_problems(150, seed=f"trace-{random.random()}", **dist)
     trace_rng = random.Random(0)
-    completions = [countdown_trace(r, style, trace_rng) for r in rows]
+    completions = [countdown_trace(r, style, trace_rng, solution=solution) for r in rows]
     assert all(c is not None for c in completions)  # the generator only makes problems with integer solutions
     nums, target = [r["nums"] for r in rows], [r["target"] for r in rows]
     assert countdown_reward(completions, nums=nums, target=target) == [1.0] * len(rows)
     assert format_reward(completions) == [1.0] * len(rows)
+
+
+def test_random_solution_draws_among_all_solutions_and_first_is_fixed():
+    row = {"nums": [3, 5, 4], "target": 12}
+    every = {f"<think></think><answer>{e}</answer>" for _, e in iter_solutions(row["nums"], row["target"])}
+    assert len(every) > 2
+    rng = random.Random(0)
+    drawn = {countdown_trace(row, "answer", rng, solution="random") for _ in range(200)}
+    assert drawn == every  # every solution shows up, nothing else does
+    assert len({countdown_trace(row, "answer", rng) for _ in range(20)}) == 1
+    with pytest.raises(ValueError, match="sft.solution"):
+        countdown_trace(row, "answer", rng, solution="best")
 
 
 def test_solutions_follow_countdown_rules_and_steps_add_up():

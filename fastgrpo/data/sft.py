@@ -69,13 +69,26 @@ equation. ``answer``: an empty think block, then the equation; ``steps``: the in
 honestly to its end (``3*5=15 15+4=19``), then the solution's steps and its equation."""
 
 
-def countdown_trace(row: dict[str, Any], style: str, rng: random.Random, *, miss: bool = False) -> str | None:
-    """The completion for a Countdown row in trace ``style``: the solver's first solution (None if there is none);
-    with ``miss``, instead an honest attempt that misses the target by as little as any (None if none does)."""
+SOLUTIONS = ("first", "random")
+"""Which solution a trace shows: ``first``, the exhaustive solver's first (one fixed answer per problem); ``random``,
+one drawn uniformly from all of the problem's solutions (the data then teaches that any solution is right)."""
+
+
+def countdown_trace(row: dict[str, Any], style: str, rng: random.Random, *, miss: bool = False,
+                    solution: str = "first") -> str | None:
+    """The completion for a Countdown row in trace ``style``: a solution chosen by ``solution`` (None if there is
+    none); with ``miss``, instead an honest attempt that misses the target by as little as any (None if none does)."""
     if style not in TRACES:
         raise ValueError(f"sft.trace: unknown trace style {style!r}; choices: {', '.join(TRACES)}")
-    found = closest_miss(row["nums"], row["target"], rng) if miss else \
-        next(iter_solutions(row["nums"], row["target"]), None)
+    if solution not in SOLUTIONS:
+        raise ValueError(f"sft.solution: unknown choice {solution!r}; choices: {', '.join(SOLUTIONS)}")
+    if miss:
+        found = closest_miss(row["nums"], row["target"], rng)
+    elif solution == "first":
+        found = next(iter_solutions(row["nums"], row["target"]), None)
+    else:
+        every = list(iter_solutions(row["nums"], row["target"]))
+        found = rng.choice(every) if every else None
     return None if found is None else TRACES[style](row, *found, rng)
 
 
@@ -145,7 +158,7 @@ def _with_eos(pairs: list[Pair], eos: str | None) -> list[Pair]:
     return pairs
 
 
-def _countdown_pairs(cfg: DataConfig, trace: str, near_miss: float,
+def _countdown_pairs(cfg: DataConfig, trace: str, near_miss: float, solution: str,
                      tokenizer: Any) -> tuple[list[Pair], list[Pair], dict[str, Any]]:
     train, eval_rows = countdown_splits(num_train=cfg.num_train, num_eval=cfg.num_eval, seed=cfg.seed,
                                         min_numbers=cfg.min_numbers, max_numbers=cfg.max_numbers,
@@ -155,7 +168,7 @@ def _countdown_pairs(cfg: DataConfig, trace: str, near_miss: float,
     for rows, miss_share in ((train, near_miss), (eval_rows, 0.0)):  # held-out pairs are solutions
         pairs = []
         for row in rows:
-            completion = countdown_trace(row, trace, rng, miss=rng.random() < miss_share)
+            completion = countdown_trace(row, trace, rng, miss=rng.random() < miss_share, solution=solution)
             if completion is None:  # the generator only makes reachable targets; the rational solver is wider
                 continue
             row = {**row, "task": "countdown"}
@@ -166,7 +179,7 @@ def _countdown_pairs(cfg: DataConfig, trace: str, near_miss: float,
 
 
 def build_sft_datasets(cfg: DataConfig, *, trace: str, tokenizer: Any, near_miss: float = 0.0,
-                       cache_dir: str | None = None) -> tuple[list[Pair], list[Pair], dict[str, Any]]:
+                       solution: str = "first", cache_dir: str | None = None) -> tuple[list[Pair], list[Pair], dict[str, Any]]:
     """(train pairs, held-out pairs, info); completions end with the tokenizer's EOS token.
 
     Countdown: a ``near_miss`` share of the training completions are honest attempts that miss the target by as
@@ -176,7 +189,7 @@ def build_sft_datasets(cfg: DataConfig, *, trace: str, tokenizer: Any, near_miss
     carved off by a seeded shuffle; held-out prompts are removed from training.
     """
     if cfg.source == "countdown":
-        train, held_out, info = _countdown_pairs(cfg, trace, near_miss, tokenizer)
+        train, held_out, info = _countdown_pairs(cfg, trace, near_miss, solution, tokenizer)
     else:
         raw = load_source_rows(cfg.source, split=cfg.split, cache_dir=cache_dir)
         if not raw:
