@@ -93,9 +93,9 @@ def timed_generate(engine, prompts, n, sampling) -> tuple[float, int]:
     return seconds, sum(len(c.token_ids) for row in out for c in row)
 
 
-def alternated(fns: dict, base: str, rounds: int, what: str = "decode loop") -> str:
+def alternated(fns: dict, base: str, rounds: int, what: str = "decode loop") -> tuple[str, dict[str, list[float]]]:
     """Run each fn (returning its token count) once to warm up, then ``rounds`` times in turn; a markdown table with
-    median seconds, spread, tokens/s and the median per-round ratio to ``base``."""
+    median seconds, spread, tokens/s and the median per-round ratio to ``base``, and the seconds of every round."""
     import statistics
 
     for fn in fns.values():  # warm-up
@@ -114,11 +114,17 @@ def alternated(fns: dict, base: str, rounds: int, what: str = "decode loop") -> 
         ratios = [a / b for a, b in zip(secs[name], secs[base])]
         lines.append(f"| {name} | {s_med:.3f} | {min(secs[name]):.3f}-{max(secs[name]):.3f} | {t_med:.0f} | "
                      f"{t_med / s_med:,.0f} | {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
-    return "\n".join(lines)
+    return "\n".join(lines), secs
 
 
 def lean_vs_transformers(model, tokenizer, prompts, n, sampling, rounds: int, batch_size: int) -> str:
-    """Alternated rounds: HFEngine with the lean decode step vs with transformers' forward; same seed, same tokens."""
+    """Alternated rounds: HFEngine with the lean decode step vs with transformers' forward; same seed, same tokens.
+
+    A third contender generates one token only (prompt forward + one draw, no decode step: the same for both paths);
+    each path's decode phase per round is its time minus that one's, divided by the max_tokens - 1 steps."""
+    import dataclasses
+    import statistics
+
     from fastgrpo.rollout.hf import HFEngine
 
     engines = {f"HFEngine, hf_decode={d}": HFEngine(model, tokenizer, batch_size=batch_size, decode=d)
@@ -132,9 +138,20 @@ def lean_vs_transformers(model, tokenizer, prompts, n, sampling, rounds: int, ba
             return sum(len(ids) for ids in outputs[name])
         return fn
 
-    table = alternated({name: runner(name) for name in engines}, "HFEngine, hf_decode=transformers", rounds)
-    same = len({str(v) for v in outputs.values()}) == 1
-    return table + f"\n\nsame tokens from both paths: {same}"
+    base, prefill = "HFEngine, hf_decode=transformers", "prompt forward + 1 token (max_tokens=1)"
+    one_token = dataclasses.replace(sampling, max_tokens=1)
+    fns = {name: runner(name) for name in engines}
+    fns[prefill] = lambda: sum(len(c.token_ids) for row in engines[base].generate(prompts, n, one_token) for c in row)
+    table, secs = alternated(fns, base, rounds)
+    same = outputs[base] == outputs["HFEngine, hf_decode=lean"]
+    steps = sampling.max_tokens - 1
+    per_step = {name: [1e3 * (a - b) / steps for a, b in zip(secs[name], secs[prefill])] for name in engines}
+    ratios = [a / b for a, b in zip(per_step["HFEngine, hf_decode=lean"], per_step[base])]
+    lines = [f"- {name}: decode phase {statistics.median(ms):.2f} ms per step ({min(ms):.2f}-{max(ms):.2f})"
+             for name, ms in per_step.items()]
+    lines.append(f"- lean / transformers, decode phase per round: median {statistics.median(ratios):.2f} "
+                 f"({min(ratios):.2f}-{max(ratios):.2f}), i.e. {1 / statistics.median(ratios):.2f}x faster")
+    return table + "\n\n" + "\n".join(lines) + f"\n\nsame tokens from both paths: {same}"
 
 
 def hf_vs_generate(model, tokenizer, prompts, n, sampling, rounds: int, batch_size: int) -> str:
@@ -162,7 +179,7 @@ def hf_vs_generate(model, tokenizer, prompts, n, sampling, rounds: int, batch_si
             total += int(torch.where(eos.any(-1), eos.int().argmax(-1) + 1, new.shape[1]).sum())
         return total
 
-    return alternated({"fastgrpo HFEngine": ours, "transformers generate": theirs}, "transformers generate", rounds)
+    return alternated({"fastgrpo HFEngine": ours, "transformers generate": theirs}, "transformers generate", rounds)[0]
 
 
 def main() -> None:
