@@ -157,3 +157,18 @@ def test_lean_step_reads_weights_changed_in_place(models, rng):
                 p.copy_(s)
     assert [r[0].token_ids for r in after] == [r[0].token_ids for r in reference]
     assert [r[0].logprobs for r in after] != before
+
+
+def test_activation_checkpointed_blocks_keep_the_lean_step(tiny_cache, rng):  # noqa: F811
+    # parallel.activation_checkpointing wraps each block; the wrapper changes backward only, so the lean step
+    # (which reads the wrapped block's modules) must still apply and give the same tokens.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    model, tok = _load(tiny_cache, "llama")
+    for i, block in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    assert lean_unsupported_reason(model) is None
+    prompts = _prompts(tok, 3, rng)
+    params = SamplingParams(max_tokens=8, seed=rng.randrange(1 << 30))
+    lean, plain = (HFEngine(model, tok, decode=d).generate(prompts, 2, params) for d in ("lean", "transformers"))
+    assert [[c.token_ids for c in row] for row in lean] == [[c.token_ids for c in row] for row in plain]
