@@ -185,9 +185,9 @@ def hf_vs_generate(model, tokenizer, prompts, n, sampling, rounds: int, batch_si
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="local HF folder (default: the tiny model)")
-    ap.add_argument("--shape", choices=["tiny", "tiny-small", "qwen2.5-0.5b"], default="tiny",
+    ap.add_argument("--shape", choices=["tiny", "tiny-small", "108m", "qwen2.5-0.5b"], default="tiny",
                     help="without --model-path: the tiny model, its 'small' preset (the demo's shape), or a random "
-                         "model of Qwen2.5-0.5B's shapes")
+                         "model: bench_trl's 108M-style one or one of Qwen2.5-0.5B's shapes")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=8, help="completions per prompt")
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -219,8 +219,11 @@ def main() -> None:
     dtype = getattr(torch, dtype_name)
     if args.model_path:
         path = Path(args.model_path).expanduser()
-    elif args.shape == "qwen2.5-0.5b":
-        path = random_model_folder(QWEN25_05B, Path.home() / ".cache" / "fastgrpo")
+    elif args.shape in ("108m", "qwen2.5-0.5b"):
+        from benchmarks.peer_work import SHAPES
+
+        shape = QWEN25_05B if args.shape == "qwen2.5-0.5b" else {**SHAPES["108m"], "max_position_embeddings": 4096}
+        path = random_model_folder(shape, Path.home() / ".cache" / "fastgrpo")
     else:
         path = build_tiny(seed=0, preset="small" if args.shape == "tiny-small" else "default")
     tokenizer = AutoTokenizer.from_pretrained(path)
