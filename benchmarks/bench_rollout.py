@@ -205,7 +205,8 @@ def main() -> None:
                          "bench_trl does): every completion has max_tokens tokens")
     ap.add_argument("--lean-vs-transformers", action="store_true",
                     help="HFEngine's lean decode step vs transformers' forward (no vLLM)")
-    ap.add_argument("--rounds", type=int, default=3, help="--hf-vs-generate / --lean-vs-transformers: alternated rounds")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="--hf-vs-generate / --lean-vs-transformers: alternated rounds")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -245,9 +246,9 @@ def main() -> None:
         table = compare(model, tokenizer, prompts, args.n, sampling, args.rounds, args.hf_batch_size)
         header = (f"device: {device_name()}; model: {path.name} ({n_params / 1e6:.2f} M params, {dtype_name}); "
                   f"{args.prompts} prompts x {args.n} samples, prompt {args.prompt_len} tokens, max_tokens "
-                  f"{args.max_tokens}{' (no EOS)' if args.no_eos else ''}, T={args.temperature}; torch {torch.__version__}, transformers "
-                  f"{transformers.__version__}; date {datetime.date.today().isoformat()}; "
-                  f"command: python {' '.join(sys.argv)}")
+                  f"{args.max_tokens}{' (no EOS)' if args.no_eos else ''}, T={args.temperature}; "
+                  f"torch {torch.__version__}, transformers {transformers.__version__}; "
+                  f"date {datetime.date.today().isoformat()}; command: python {' '.join(sys.argv)}")
         print(header + "\n\n" + table)
         return
 

@@ -14,11 +14,13 @@ mask is what keeps padded and unpadded generation equal; the padded-vs-alone tes
 A step: one forward of the new tokens against a KV cache allocated once for the chunk
 (``model.preallocated_kv_cache``; transformers' DynamicCache concatenates the whole cache at every token), with
 the attention mask a view of one ``[N, P + max_tokens]`` mask, then one uniform number per row to draw the next
-token (``sample_rows``). The prompt always runs through transformers' forward; the per-token steps, where
-transformers' per-call overhead dominates on small models, run through ``lean_decode.LeanDecoder`` (the same
-arithmetic on the model's own parameters, writing into the same cache) when the model is a plain Qwen2/Llama
-(``decode="auto"``), or always through transformers (``decode="transformers"``). The host learns whether all rows finished every step on a CPU, every
+token (``sample_rows``). The host learns whether all rows finished every step on a CPU, every
 ``_FINISH_CHECK_EVERY`` steps on an accelerator.
+
+Decode step (``rollout.hf_decode``): the prompt always runs through transformers' forward; the per-token steps,
+where transformers' per-call overhead dominates on small models, run through ``lean_decode.LeanDecoder`` (the same
+arithmetic on the model's own parameters, continuing the same cache) when the model is a plain Qwen2/Llama
+(``"auto"``, the default; ``"lean"`` raises where it cannot), or always through transformers (``"transformers"``).
 
 Seeding: one ``torch.Generator`` per call, drawn from in chunk order, so a seed reproduces a call exactly
 for the same prompts, n and batch_size (changing batch_size changes which draws each sequence gets).
@@ -37,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastgrpo.config import RolloutConfig, choices
 from fastgrpo.model import decoding_attn_implementation, preallocated_kv_cache
 from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
 from fastgrpo.rollout.lean_decode import LeanDecoder, lean_unsupported_reason
@@ -45,8 +48,8 @@ __all__ = ["HFEngine", "sample_next", "sample_rows"]
 
 _FINISH_CHECK_EVERY = 8
 
-_DECODE_PATHS = ("auto", "lean", "transformers")
-"""rollout.hf_decode choices: the decode step's implementation (the config's Literal lists the same)."""
+_DECODE_PATHS = tuple(choices(RolloutConfig, "hf_decode"))
+"""The decode step's implementations (rollout.hf_decode's Literal is the one source)."""
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -297,6 +300,7 @@ class HFEngine(RolloutEngine):
         next_pos = pos[:, -1:] + 1  # [N, 1]
         if lean is not None:
             lean.start(cache, full_mask, max_position=P + sampling.max_tokens)
+            cache = None  # the lean step keeps its own copy of the keys: free transformers' key buffers
         for step in range(sampling.max_tokens):
             tok, logp = sample_next(logits, sampling, generator)  # [N], [N]
             tok = tok.masked_fill(finished, self.pad_id)  # rows already done emit padding, stripped below
