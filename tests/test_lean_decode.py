@@ -172,3 +172,15 @@ def test_activation_checkpointed_blocks_keep_the_lean_step(tiny_cache, rng):  # 
     params = SamplingParams(max_tokens=8, seed=rng.randrange(1 << 30))
     lean, plain = (HFEngine(model, tok, decode=d).generate(prompts, 2, params) for d in ("lean", "transformers"))
     assert [[c.token_ids for c in row] for row in lean] == [[c.token_ids for c in row] for row in plain]
+
+
+@pytest.mark.parametrize("choice", ["auto", "lean", "transformers"])
+def test_the_trainer_builds_the_engine_with_the_configured_decode_step(models, choice):
+    from fastgrpo.config import RolloutConfig
+    from fastgrpo.rollout.base import ENGINES, EngineSetup
+
+    model, tok = models["llama"]
+    setup = EngineSetup(cfg=RolloutConfig(hf_decode=choice), model=model, tokenizer=tok, model_path=str,
+                        prompt_token_bound=int, seed=0)
+    engine = ENGINES["hf"].from_setup(setup)
+    assert engine.decode == choice and (engine.lean_decoder() is None) == (choice == "transformers")
