@@ -4,16 +4,18 @@ Why: for a small model a transformers forward of one new token per row is mostly
 construction, the rotary module, cache bookkeeping, output dataclasses, module calls), not arithmetic; on the tiny
 models of the demo and the TRL benchmark the decode loop was no faster than ``model.generate``. This module writes
 the same step as a few dozen torch calls on the model's own parameters: embedding, per layer RMSNorm, q/k/v
-projections, RoPE from a cos/sin table, one write of k/v into the preallocated cache, single-query attention as two
-batched matrix products against a padding bias, the MLP, then the final norm and the lm_head. Nothing is copied
+projections, RoPE from a cos/sin table, k/v appended to the cache, single-query attention as two batched matrix
+products against a padding bias, the MLP, then the final norm and the lm_head. Nothing is copied
 out of the model, so an optimizer step is seen by the next call; the arithmetic is transformers' (float32 norm and
 softmax, the same rotation), so logits match the transformers forward to float rounding.
 
 Limits: the prompt (prefill) still runs through transformers' forward into ``model.preallocated_kv_cache``, whose
-buffers this step then extends; :func:`lean_decoder` says why it cannot be used for a model, and the engine falls
-back to transformers' forward, for anything it does not reproduce exactly: other architectures, sliding-window
-layers, RoPE variants whose frequencies depend on the sequence length (dynamic, longrope), FSDP2/DTensor-sharded
-parameters, adapters or quantized layers (projections that are not plain ``nn.Linear``), and modules with hooks.
+buffers this step then extends (values in place, keys in a transposed copy made once per chunk).
+:func:`lean_unsupported_reason` says why it cannot be used for a model, and the engine falls back to transformers'
+forward, for anything it does not reproduce exactly: other architectures, sliding-window layers, RoPE variants
+whose frequencies depend on the sequence length (dynamic, longrope), FSDP2/DTensor-sharded parameters, adapters or
+quantized layers (projections that are not plain ``nn.Linear``), and modules with hooks. Where the lm_head and the
+sampler dominate (a 152k vocabulary, as on the 108M-style benchmark model) it gains nothing (benchmarks/RESULTS.md).
 
 Legend: N rows, S cache slots filled (prompt + decoded), M cache length, H hidden, Hq / Hkv query / key-value
 heads, G = Hq / Hkv, d head dim, V vocabulary.
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LeanDecoder", "lean_decoder", "lean_unsupported_reason"]
+__all__ = ["LeanDecoder", "lean_unsupported_reason"]
 
 _ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 """Model classes whose decoder layer is exactly: x + attn(norm(x)), then x + mlp(norm(x)), with rotate-half RoPE."""
@@ -66,11 +68,6 @@ def lean_unsupported_reason(model: nn.Module) -> str | None:
     if not _is_plain_linear(model.lm_head):
         return "the lm_head is not a plain nn.Linear"
     return None
-
-
-def lean_decoder(model: nn.Module) -> "LeanDecoder | None":
-    """A :class:`LeanDecoder` for ``model``, or None where :func:`lean_unsupported_reason` names a reason."""
-    return None if lean_unsupported_reason(model) is not None else LeanDecoder(model)
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
