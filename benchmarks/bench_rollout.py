@@ -13,6 +13,17 @@ Prints a markdown table and writes it, with a CSV, under --out.
 --hf-vs-generate: the transformers engine's decode loop against transformers' own ``model.generate`` (sampling
 with the same temperature, top_k=0 and top_p=1, so both draw from the same distribution), on the same model and
 prompts, in alternated rounds; no vLLM. Reports median seconds, tokens, and the ratio per round.
+
+    python benchmarks/bench_rollout.py --lean-vs-transformers --no-eos --prompts 2 --n 8 --prompt-len 272 \
+        --max-tokens 64
+    python benchmarks/bench_rollout.py --lean-vs-transformers --no-eos --shape tiny-small --prompts 16 --n 8 \
+        --prompt-len 11 --max-tokens 40 --hf-batch-size 256
+
+--lean-vs-transformers: the transformers engine with its lean decode step (``rollout.hf_decode=lean``) against the
+same engine stepping through transformers' forward (``hf_decode=transformers``), same seed, alternated rounds; it
+also checks that both produced the same tokens. The first line is bench_trl's tiny work (2 x 8 sequences, 272-token
+prompts, 64 new tokens), the second the CPU demo's rollout (configs/tiny.yaml: 16 x 8, short prompts, 40 tokens,
+the tiny:small shape with random weights).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -81,10 +93,69 @@ def timed_generate(engine, prompts, n, sampling) -> tuple[float, int]:
     return seconds, sum(len(c.token_ids) for row in out for c in row)
 
 
-def hf_vs_generate(model, tokenizer, prompts, n, sampling, rounds: int, batch_size: int) -> str:
-    """Alternated rounds: HFEngine.generate vs transformers' generate on the same prompts; a markdown table."""
+def alternated(fns: dict, base: str, rounds: int, what: str = "decode loop") -> tuple[str, dict[str, list[float]]]:
+    """Run each fn (returning its token count) once to warm up, then ``rounds`` times in turn; a markdown table with
+    median seconds, spread, tokens/s and the median per-round ratio to ``base``, and the seconds of every round."""
     import statistics
 
+    for fn in fns.values():  # warm-up
+        fn()
+    secs = {k: [] for k in fns}
+    toks = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            toks[name].append(fn())
+            secs[name].append(time.perf_counter() - t0)
+    lines = [f"| {what} | s (median) | spread | tokens (median) | tokens/s | x {base} (median of per-round ratios) |",
+             "|---|---|---|---|---|---|"]
+    for name in fns:
+        s_med, t_med = statistics.median(secs[name]), statistics.median(toks[name])
+        ratios = [a / b for a, b in zip(secs[name], secs[base])]
+        lines.append(f"| {name} | {s_med:.3f} | {min(secs[name]):.3f}-{max(secs[name]):.3f} | {t_med:.0f} | "
+                     f"{t_med / s_med:,.0f} | {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
+    return "\n".join(lines), secs
+
+
+def lean_vs_transformers(model, tokenizer, prompts, n, sampling, rounds: int, batch_size: int) -> str:
+    """Alternated rounds: HFEngine with the lean decode step vs with transformers' forward; same seed, same tokens.
+
+    A third contender generates one token only (prompt forward + one draw, no decode step: the same for both paths);
+    each path's decode phase per round is its time minus that one's, divided by the max_tokens - 1 steps."""
+    import dataclasses
+    import statistics
+
+    from fastgrpo.rollout.hf import HFEngine
+
+    engines = {f"HFEngine, hf_decode={d}": HFEngine(model, tokenizer, batch_size=batch_size, decode=d)
+               for d in ("transformers", "lean")}
+    outputs = {}
+
+    def runner(name):
+        def fn():
+            out = engines[name].generate(prompts, n, sampling)
+            outputs[name] = [c.token_ids for row in out for c in row]
+            return sum(len(ids) for ids in outputs[name])
+        return fn
+
+    base, prefill = "HFEngine, hf_decode=transformers", "prompt forward + 1 token (max_tokens=1)"
+    one_token = dataclasses.replace(sampling, max_tokens=1)
+    fns = {name: runner(name) for name in engines}
+    fns[prefill] = lambda: sum(len(c.token_ids) for row in engines[base].generate(prompts, n, one_token) for c in row)
+    table, secs = alternated(fns, base, rounds)
+    same = outputs[base] == outputs["HFEngine, hf_decode=lean"]
+    steps = sampling.max_tokens - 1
+    per_step = {name: [1e3 * (a - b) / steps for a, b in zip(secs[name], secs[prefill])] for name in engines}
+    ratios = [a / b for a, b in zip(per_step["HFEngine, hf_decode=lean"], per_step[base])]
+    lines = [f"- {name}: decode phase {statistics.median(ms):.2f} ms per step ({min(ms):.2f}-{max(ms):.2f})"
+             for name, ms in per_step.items()]
+    lines.append(f"- lean / transformers, decode phase per round: median {statistics.median(ratios):.2f} "
+                 f"({min(ratios):.2f}-{max(ratios):.2f}), i.e. {1 / statistics.median(ratios):.2f}x faster")
+    return table + "\n\n" + "\n".join(lines) + f"\n\nsame tokens from both paths: {same}"
+
+
+def hf_vs_generate(model, tokenizer, prompts, n, sampling, rounds: int, batch_size: int) -> str:
+    """Alternated rounds: HFEngine.generate vs transformers' generate on the same prompts; a markdown table."""
     from fastgrpo.rollout.hf import HFEngine
 
     engine = HFEngine(model, tokenizer, batch_size=batch_size)
@@ -108,32 +179,15 @@ def hf_vs_generate(model, tokenizer, prompts, n, sampling, rounds: int, batch_si
             total += int(torch.where(eos.any(-1), eos.int().argmax(-1) + 1, new.shape[1]).sum())
         return total
 
-    fns = {"fastgrpo HFEngine": ours, "transformers generate": theirs}
-    for fn in fns.values():  # warm-up
-        fn()
-    secs = {k: [] for k in fns}
-    toks = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            toks[name].append(fn())
-            secs[name].append(time.perf_counter() - t0)
-    base = secs["transformers generate"]
-    lines = ["| decode loop | s (median) | spread | tokens (median) | tokens/s | x generate (per round) |",
-             "|---|---|---|---|---|---|"]
-    for name in fns:
-        s_med, t_med = statistics.median(secs[name]), statistics.median(toks[name])
-        ratio = statistics.median(a / b for a, b in zip(secs[name], base))
-        lines.append(f"| {name} | {s_med:.3f} | {min(secs[name]):.3f}-{max(secs[name]):.3f} | {t_med:.0f} | "
-                     f"{t_med / s_med:,.0f} | {ratio:.2f} |")
-    return "\n".join(lines)
+    return alternated({"fastgrpo HFEngine": ours, "transformers generate": theirs}, "transformers generate", rounds)[0]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="local HF folder (default: the tiny model)")
-    ap.add_argument("--shape", choices=["tiny", "qwen2.5-0.5b"], default="tiny",
-                    help="without --model-path: the tiny model, or a random model of Qwen2.5-0.5B's shapes")
+    ap.add_argument("--shape", choices=["tiny", "tiny-small", "108m", "qwen2.5-0.5b"], default="tiny",
+                    help="without --model-path: the tiny model, its 'small' preset (the demo's shape), or a random "
+                         "model: bench_trl's 108M-style one or one of Qwen2.5-0.5B's shapes")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=8, help="completions per prompt")
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -146,7 +200,13 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default="benchmarks/out")
     ap.add_argument("--hf-vs-generate", action="store_true", help="HFEngine vs transformers' generate (no vLLM)")
-    ap.add_argument("--rounds", type=int, default=3, help="--hf-vs-generate: alternated rounds")
+    ap.add_argument("--no-eos", action="store_true",
+                    help="edit the loaded model so that it never samples EOS (benchmarks/peer_work.suppress_eos, as "
+                         "bench_trl does): every completion has max_tokens tokens")
+    ap.add_argument("--lean-vs-transformers", action="store_true",
+                    help="HFEngine's lean decode step vs transformers' forward (no vLLM)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="--hf-vs-generate / --lean-vs-transformers: alternated rounds")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -160,26 +220,35 @@ def main() -> None:
     dtype = getattr(torch, dtype_name)
     if args.model_path:
         path = Path(args.model_path).expanduser()
-    elif args.shape == "qwen2.5-0.5b":
-        path = random_model_folder(QWEN25_05B, Path.home() / ".cache" / "fastgrpo")
+    elif args.shape in ("108m", "qwen2.5-0.5b"):
+        from benchmarks.peer_work import SHAPES
+
+        shape = QWEN25_05B if args.shape == "qwen2.5-0.5b" else {**SHAPES["108m"], "max_position_embeddings": 4096}
+        path = random_model_folder(shape, Path.home() / ".cache" / "fastgrpo")
     else:
-        path = build_tiny(seed=0)
+        path = build_tiny(seed=0, preset="small" if args.shape == "tiny-small" else "default")
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda" if cuda else "cpu").eval()
+    if args.no_eos:
+        from benchmarks.peer_work import eos_ids_of, suppress_eos
+
+        suppress_eos(model, eos_ids_of(path))
     n_params = sum(p.numel() for p in model.parameters())
     rng = random.Random(0)
     vocab = len(tokenizer) if args.model_path else 256  # byte tokens of the tiny tokenizer
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
-    if args.hf_vs_generate:
-        table = hf_vs_generate(model, tokenizer, prompts, args.n, sampling, args.rounds, args.hf_batch_size)
+    if args.hf_vs_generate or args.lean_vs_transformers:
+        compare = lean_vs_transformers if args.lean_vs_transformers else hf_vs_generate
+        table = compare(model, tokenizer, prompts, args.n, sampling, args.rounds, args.hf_batch_size)
         header = (f"device: {device_name()}; model: {path.name} ({n_params / 1e6:.2f} M params, {dtype_name}); "
                   f"{args.prompts} prompts x {args.n} samples, prompt {args.prompt_len} tokens, max_tokens "
-                  f"{args.max_tokens}, T={args.temperature}; date {datetime.date.today().isoformat()}; "
-                  f"command: python {' '.join(sys.argv)}")
+                  f"{args.max_tokens}{' (no EOS)' if args.no_eos else ''}, T={args.temperature}; "
+                  f"torch {torch.__version__}, transformers {transformers.__version__}; "
+                  f"date {datetime.date.today().isoformat()}; command: python {' '.join(sys.argv)}")
         print(header + "\n\n" + table)
         return
 

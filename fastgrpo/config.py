@@ -226,6 +226,9 @@ class RolloutConfig:
     """Nucleus sampling threshold."""
     batch_size: int = 64
     """hf engine: most sequences generated at once."""
+    hf_decode: Literal["auto", "lean", "transformers"] = "auto"
+    """hf engine decode step: 'lean' (fastgrpo.rollout.lean_decode; Qwen2/Llama, unsharded, no adapters),
+    'transformers' (the model's forward), or 'auto' (lean where the model supports it)."""
     gpu_memory_utilization: float = 0.3
     """vllm: fraction of GPU memory for the engine (weights + KV cache)."""
     max_model_len: int | None = None

@@ -17,6 +17,11 @@ the attention mask a view of one ``[N, P + max_tokens]`` mask, then one uniform 
 token (``sample_rows``). The host learns whether all rows finished every step on a CPU, every
 ``_FINISH_CHECK_EVERY`` steps on an accelerator.
 
+Decode step (``rollout.hf_decode``): the prompt always runs through transformers' forward; the per-token steps,
+where transformers' per-call overhead dominates on small models, run through ``lean_decode.LeanDecoder`` (the same
+arithmetic on the model's own parameters, continuing the same cache) when the model is a plain Qwen2/Llama
+(``"auto"``, the default; ``"lean"`` raises where it cannot), or always through transformers (``"transformers"``).
+
 Seeding: one ``torch.Generator`` per call, drawn from in chunk order, so a seed reproduces a call exactly
 for the same prompts, n and batch_size (changing batch_size changes which draws each sequence gets).
 
@@ -34,12 +39,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastgrpo.config import RolloutConfig, choices
 from fastgrpo.model import decoding_attn_implementation, preallocated_kv_cache
 from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
+from fastgrpo.rollout.lean_decode import LeanDecoder, lean_unsupported_reason
 
 __all__ = ["HFEngine", "sample_next", "sample_rows"]
 
 _FINISH_CHECK_EVERY = 8
+
+_DECODE_PATHS = tuple(choices(RolloutConfig, "hf_decode"))
+"""The decode step's implementations (rollout.hf_decode's Literal is the one source)."""
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -125,7 +135,8 @@ def sample_rows(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = _below(u * block_cum[:, -1:], block_cum[:, -1:])  # [N, 1]
     b = torch.searchsorted(block_cum, target, right=True)  # [N, 1] block whose cumulative weight exceeds target
     before = torch.where(b > 0, block_cum.gather(1, (b - 1).clamp(min=0)), 0.0)  # [N, 1]
-    inner_cum = blocks.gather(1, b[:, :, None].expand(n, 1, _SAMPLE_BLOCK)).squeeze(1).cumsum(-1)  # [N, B]
+    # Indexing, not gather with an expanded index: the same values, 2-3x faster on a CPU.
+    inner_cum = blocks[torch.arange(n, device=weights.device), b[:, 0]].cumsum(-1)  # [N, B]
     j = torch.searchsorted(inner_cum, _below(target - before, inner_cum[:, -1:]), right=True)  # [N, 1]
     return (b * _SAMPLE_BLOCK + j).squeeze(1)
 
@@ -160,9 +171,12 @@ class HFEngine(RolloutEngine):
     collective. FSDP2's gathered parameters are freed after each call.
     """
 
-    def __init__(self, model: nn.Module, tokenizer, *, batch_size: int = 64):
+    def __init__(self, model: nn.Module, tokenizer, *, batch_size: int = 64, decode: str = "auto"):
         if batch_size < 1:
             raise ValueError(f"rollout.batch_size: must be >= 1, got {batch_size}")
+        if decode not in _DECODE_PATHS:
+            raise ValueError(f"rollout.hf_decode: must be one of {', '.join(_DECODE_PATHS)}, got {decode!r}")
+        self.decode = decode
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -174,7 +188,7 @@ class HFEngine(RolloutEngine):
 
     @classmethod
     def from_setup(cls, setup: EngineSetup) -> "HFEngine":
-        return cls(setup.model, setup.tokenizer, batch_size=setup.cfg.batch_size)
+        return cls(setup.model, setup.tokenizer, batch_size=setup.cfg.batch_size, decode=setup.cfg.hf_decode)
 
     def sync_from(self, model: nn.Module) -> bool:
         return False  # generates with the policy module itself
@@ -193,11 +207,13 @@ class HFEngine(RolloutEngine):
 
         was_training = self.model.training
         self.model.eval()
+        lean = self.lean_decoder()
         flat: list[Completion] = []
         try:
             with torch.no_grad(), _decoding_attention(self.model):
                 for start in range(0, len(seqs), self.batch_size):
-                    flat += self._generate_chunk(seqs[start:start + self.batch_size], sampling, generator, device)
+                    flat += self._generate_chunk(seqs[start:start + self.batch_size], sampling, generator, device,
+                                                 lean)
         finally:
             self.model.train(was_training)
             _reshard(self.model)
@@ -239,6 +255,16 @@ class HFEngine(RolloutEngine):
 
     # -- decode loop ------------------------------------------------------------------------------------------
 
+    def lean_decoder(self) -> LeanDecoder | None:
+        """The lean decode step for this call, or None for transformers' forward (decided per call: the model may
+        have been sharded or hooked since the last one)."""
+        if self.decode == "transformers":
+            return None
+        reason = lean_unsupported_reason(self.model)
+        if reason is not None and self.decode == "lean":
+            raise ValueError(f"rollout.hf_decode=lean: {reason}; use 'auto' or 'transformers'")
+        return None if reason is not None else LeanDecoder(self.model)
+
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
@@ -250,7 +276,7 @@ class HFEngine(RolloutEngine):
         return out.logits[:, -1], out.past_key_values
 
     def _generate_chunk(self, seqs: list[list[int]], sampling: SamplingParams, generator: torch.Generator,
-                        device: torch.device) -> list[Completion]:
+                        device: torch.device, lean: LeanDecoder | None) -> list[Completion]:
         N, P = len(seqs), max(len(s) for s in seqs)
         ids = torch.full((N, P), self.pad_id, dtype=torch.long)  # [N, P] left-padded
         mask = torch.zeros((N, P), dtype=torch.long)  # [N, P]
@@ -272,6 +298,9 @@ class HFEngine(RolloutEngine):
         cache = preallocated_kv_cache(self.model, max_len)  # None: transformers' default cache
         logits, cache = self._forward_last(ids, full_mask[:, :P], pos, cache)
         next_pos = pos[:, -1:] + 1  # [N, 1]
+        if lean is not None:
+            lean.start(cache, full_mask, max_position=P + sampling.max_tokens)
+            cache = None  # the lean step keeps its own copy of the keys: free transformers' key buffers
         for step in range(sampling.max_tokens):
             tok, logp = sample_next(logits, sampling, generator)  # [N], [N]
             tok = tok.masked_fill(finished, self.pad_id)  # rows already done emit padding, stripped below
@@ -280,7 +309,10 @@ class HFEngine(RolloutEngine):
             finished |= torch.isin(tok, eos)
             if step + 1 == sampling.max_tokens or ((step + 1) % check_every == 0 and self._all_finished(finished)):
                 break
-            logits, cache = self._forward_last(tok[:, None], full_mask[:, :P + step + 1], next_pos, cache)
+            if lean is not None:
+                logits = lean.step(tok, next_pos[:, 0], slot=P + step)
+            else:
+                logits, cache = self._forward_last(tok[:, None], full_mask[:, :P + step + 1], next_pos, cache)
             next_pos = next_pos + 1
         return self._to_completions(torch.stack(tokens, 1), torch.stack(logps, 1), eos, sampling.logprobs)
 

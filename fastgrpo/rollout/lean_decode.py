@@ -1,0 +1,160 @@
+"""A lean one-token decode step for Qwen2 / Llama decoders, used by the hf rollout engine.
+
+Why: for a small model a transformers forward of one new token per row is mostly Python and dispatch (mask
+construction, the rotary module, cache bookkeeping, output dataclasses, module calls), not arithmetic; on the tiny
+models of the demo and the TRL benchmark the decode loop was no faster than ``model.generate``. This module writes
+the same step as a few dozen torch calls on the model's own parameters: embedding, per layer RMSNorm, q/k/v
+projections, RoPE from a cos/sin table, k/v appended to the cache, single-query attention as two batched matrix
+products against a padding bias, the MLP, then the final norm and the lm_head. Nothing is copied
+out of the model, so an optimizer step is seen by the next call; the arithmetic is transformers' (float32 norm and
+softmax, the same rotation), so logits match the transformers forward to float rounding.
+
+Limits: the prompt (prefill) still runs through transformers' forward into ``model.preallocated_kv_cache``, whose
+buffers this step then extends (values in place, keys in a transposed copy made once per chunk).
+:func:`lean_unsupported_reason` says why it cannot be used for a model, and the engine falls back to transformers'
+forward, for anything it does not reproduce exactly: other architectures, sliding-window layers, RoPE variants
+whose frequencies depend on the sequence length (dynamic, longrope), FSDP2/DTensor-sharded parameters, adapters or
+quantized layers (projections that are not plain ``nn.Linear``), and modules with hooks. Where the lm_head and the
+sampler dominate (a 152k vocabulary, as on the 108M-style benchmark model) it gains nothing (benchmarks/RESULTS.md).
+
+Legend: N rows, S cache slots filled (prompt + decoded), M cache length, H hidden, Hq / Hkv query / key-value
+heads, G = Hq / Hkv, d head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LeanDecoder", "lean_unsupported_reason"]
+
+_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+"""Model classes whose decoder layer is exactly: x + attn(norm(x)), then x + mlp(norm(x)), with rotate-half RoPE."""
+
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+"""rope_type values whose frequencies change with the sequence length (transformers' dynamic_rope_update)."""
+
+
+def _is_plain_linear(m: nn.Module) -> bool:
+    return type(m) is nn.Linear
+
+
+def lean_unsupported_reason(model: nn.Module) -> str | None:
+    """None when :class:`LeanDecoder` reproduces ``model``'s forward; otherwise why not (one line)."""
+    name = type(model).__name__
+    if name not in _ARCHITECTURES:
+        return f"{name} is not one of {', '.join(_ARCHITECTURES)}"
+    cfg = model.config
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return "sliding-window attention layers"
+    rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if any(kind in str(rope_type) for kind in _LENGTH_DEPENDENT_ROPE):
+        return f"rope_type {rope_type!r} depends on the sequence length"
+    for param in model.parameters():
+        if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor":
+            return "sharded (DTensor) parameters"
+    for module in model.modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"{type(module).__name__} has forward hooks, which the lean step would not run"
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if not all(_is_plain_linear(p) for p in projections):
+            return f"layer {i} has projections that are not plain nn.Linear (adapters or quantization)"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
+                return f"layer {i}'s norm is {type(norm).__name__}, not an RMSNorm"
+    if not _is_plain_linear(model.lm_head):
+        return "the lm_head is not a plain nn.Linear"
+    return None
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """transformers' RMSNorm (normalise in float32, cast back, then scale); one fused op in float32."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * xf.to(x.dtype)
+
+
+class LeanDecoder:
+    """Decode steps of one chunk: :meth:`start` after the prefill, then :meth:`step` once per new token.
+
+    The parameters are read from the modules at every step (the lists below hold modules, not tensors). Keys are
+    kept transposed, ``[N * Hkv, d, M]``, so that the scores are a plain batched product (``baddbmm`` with the
+    padding bias, twice as fast on a CPU as a product with a transposed view); values stay in the prefill's cache.
+    """
+
+    def __init__(self, model: nn.Module):
+        cfg = model.config
+        self.model = model
+        self.embed = model.model.embed_tokens
+        self.layers = list(model.model.layers)
+        self.norm = model.model.norm
+        self.lm_head = model.lm_head
+        self.rotary = model.model.rotary_emb
+        attn = self.layers[0].self_attn
+        self.d = attn.head_dim
+        self.hq, self.hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.scaling = attn.scaling
+        self.keys_t: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def start(self, cache, key_mask: torch.Tensor, max_position: int) -> None:
+        """Adopt the prefilled ``cache`` (``preallocated_kv_cache``, prompt in its first P slots) and the chunk's
+        key mask; the caller may drop ``cache`` afterwards.
+
+        key_mask: [N, M] (1 = a real token: left padding is 0, every decoded slot 1). max_position: one more than
+        the largest RoPE position any step will use.
+        """
+        n, m = key_mask.shape
+        filled = cache.layers[0].keys.shape[-2]  # P
+        self.keys_t, self.values = [], []
+        for layer in cache.layers:
+            k = layer._k  # [N, Hkv, M, d]
+            keys_t = k.new_empty(n * self.hkv, self.d, m)  # [N * Hkv, d, M]
+            keys_t[..., :filled] = k[:, :, :filled].reshape(n * self.hkv, filled, self.d).transpose(1, 2)
+            self.keys_t.append(keys_t)
+            self.values.append(layer._v.view(n * self.hkv, m, self.d))  # [N * Hkv, M, d]
+        dtype = self.values[0].dtype
+        # Additive bias, one row per (row, KV head): -inf on padding, so a padded slot gets exactly zero weight.
+        bias = torch.zeros((n, m), dtype=dtype, device=key_mask.device).masked_fill_(key_mask == 0, float("-inf"))
+        self.bias = bias.repeat_interleave(self.hkv, dim=0)[:, None, :]  # [N * Hkv, 1, M]
+        # cos/sin of every position from the model's own rotary module (its rope_theta, scaling and attention
+        # factor). rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated): one table each.
+        positions = torch.arange(max_position, device=key_mask.device)[None]  # [1, P_max]
+        cos, sin = self.rotary(torch.empty(0, dtype=dtype, device=key_mask.device), positions)  # [1, P_max, d]
+        half = self.d // 2
+        self.cos = cos[0]  # [P_max, d]
+        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # [P_max, d]
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+        """Logits [N, V] of the token after ``tokens`` [N], which sit at RoPE ``positions`` [N] and cache ``slot``."""
+        N, d, hq, hkv, half = tokens.shape[0], self.d, self.hq, self.hkv, self.d // 2
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, d]
+        bias = self.bias[..., :slot + 1]  # [N * Hkv, 1, S]
+        h = F.embedding(tokens, self.embed.weight)  # [N, H]
+        for layer, keys_t, values in zip(self.layers, self.keys_t, self.values):
+            attn, mlp = layer.self_attn, layer.mlp
+            x = _rms_norm(h, layer.input_layernorm)
+            qk = torch.cat((F.linear(x, attn.q_proj.weight, attn.q_proj.bias),
+                            F.linear(x, attn.k_proj.weight, attn.k_proj.bias)), dim=-1).view(N, hq + hkv, d)
+            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin  # RoPE, [N, Hq + Hkv, d]
+            q, k = qk[:, :hq], qk[:, hq:]
+            keys_t[:, :, slot] = k.reshape(N * hkv, d)
+            values[:, slot] = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(N * hkv, d)
+            # One query per row: the G query heads sharing a KV head are the rows of one small product.
+            q = q.reshape(N * hkv, hq // hkv, d)  # [N * Hkv, G, d]
+            scores = torch.baddbmm(bias, q, keys_t[..., :slot + 1], alpha=self.scaling)  # [N * Hkv, G, S]
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = torch.bmm(weights, values[:, :slot + 1]).view(N, hq * d)  # [N, Hq * d]
+            h = h + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+            x = _rms_norm(h, layer.post_attention_layernorm)
+            gate = mlp.act_fn(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
+            h = h + F.linear(gate * F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight,
+                             mlp.down_proj.bias)
+        h = _rms_norm(h, self.norm)
+        return F.linear(h, self.lm_head.weight, self.lm_head.bias)  # [N, V]

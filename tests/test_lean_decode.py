@@ -1,0 +1,186 @@
+"""The lean decode step (fastgrpo.rollout.lean_decode): logits equal transformers' forward, generation equals the
+transformers-stepped engine token for token, and every model it does not reproduce falls back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_rollout_hf import _load, _prompts, tiny_cache  # noqa: F401  (tiny_cache: the shared fixture)
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from fastgrpo.model import preallocated_kv_cache
+from fastgrpo.rollout.base import SamplingParams
+from fastgrpo.rollout.hf import HFEngine
+from fastgrpo.rollout.lean_decode import LeanDecoder, lean_unsupported_reason
+
+
+@pytest.fixture(scope="module")
+def models(tiny_cache):  # noqa: F811
+    """preset -> (model, tokenizer): Qwen2 (tied, q/k/v biases) and Llama (untied, no biases)."""
+    return {preset: _load(tiny_cache, preset) for preset in ("default", "llama")}
+
+
+def _random_qwen2(**overrides) -> torch.nn.Module:
+    """A random Qwen2 beside the presets, for shapes and configs they lack (several KV heads, RoPE scaling)."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=263, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    return AutoModelForCausalLM.from_config(Qwen2Config(**{**cfg, **overrides}), dtype=torch.float32).eval()
+
+
+def _lean_logits_vs_alone(model, prompts, steps, rng):
+    """Prefill the left-padded batch with transformers, then ``steps`` lean steps on random tokens; returns, per
+    step, (lean logits [N, V], transformers' logits of each sequence run alone and unpadded [N, V])."""
+    N, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(N, P, dtype=torch.long)
+    mask = torch.ones(N, P + steps, dtype=torch.long)  # [N, M]
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p)
+        mask[i, :P - len(p)] = 0
+    pos = (mask[:, :P].cumsum(-1) - 1).clamp(min=0)  # [N, P]
+    fed = torch.tensor([[rng.randrange(3, 256) for _ in range(steps)] for _ in prompts])  # [N, steps]
+    lean = LeanDecoder(model)
+    out = []
+    with torch.no_grad():
+        cache = preallocated_kv_cache(model, P + steps)
+        model(input_ids=ids, attention_mask=mask[:, :P], position_ids=pos, past_key_values=cache, use_cache=True)
+        lean.start(cache, mask, max_position=P + steps)
+        for t in range(steps):
+            got = lean.step(fed[:, t], pos[:, -1] + 1 + t, slot=P + t)  # [N, V]
+            alone = torch.stack([model(torch.tensor([p + fed[i, :t + 1].tolist()])).logits[0, -1]
+                                 for i, p in enumerate(prompts)])  # [N, V]
+            out.append((got, alone))
+    return out
+
+
+@pytest.mark.parametrize("preset", ["default", "llama"])
+def test_lean_step_logits_equal_transformers_with_left_padding(models, preset, rng):
+    model, tok = models[preset]
+    assert lean_unsupported_reason(model) is None
+    prompts = _prompts(tok, 5, rng, lo=1, hi=30)  # different lengths: most rows are left-padded
+    for got, alone in _lean_logits_vs_alone(model, prompts, steps=4, rng=rng):
+        torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
+
+
+@pytest.mark.parametrize("overrides", [{}, {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                                 "rope_theta": 500.0}}],
+                         ids=["two-kv-heads", "linear-rope-scaling"])
+def test_lean_step_logits_equal_transformers_for_grouped_kv_heads_and_scaled_rope(overrides, rng):
+    model = _random_qwen2(**overrides)
+    assert lean_unsupported_reason(model) is None
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(1, 20))] for _ in range(4)]
+    for got, alone in _lean_logits_vs_alone(model, prompts, steps=3, rng=rng):
+        torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
+
+
+@pytest.mark.parametrize("preset", ["default", "llama"])
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
+def test_seeded_generation_is_the_same_with_the_lean_step(models, preset, temperature, top_p, rng):
+    model, tok = models[preset]
+    prompts = _prompts(tok, 6, rng, lo=1, hi=30)
+    params = SamplingParams(max_tokens=16, temperature=temperature, top_p=top_p, seed=rng.randrange(1 << 30),
+                            logprobs=True)
+    engines = {d: HFEngine(model, tok, batch_size=8, decode=d) for d in ("transformers", "lean")}
+    assert engines["lean"].lean_decoder() is not None and engines["transformers"].lean_decoder() is None
+    out = {d: [c for row in e.generate(prompts, 3, params) for c in row] for d, e in engines.items()}
+    assert [c.token_ids for c in out["lean"]] == [c.token_ids for c in out["transformers"]]
+    for a, b in zip(out["lean"], out["transformers"]):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_uses_the_lean_step_where_supported(models):
+    model, tok = models["default"]
+    assert isinstance(HFEngine(model, tok).lean_decoder(), LeanDecoder)  # decode="auto" is the default
+
+
+def _sliding_window():
+    return _random_qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=0)
+
+
+def _dynamic_rope():
+    return _random_qwen2(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+
+
+def _hooked():
+    model = _random_qwen2()
+    model.model.layers[1].mlp.register_forward_hook(lambda *args: None)
+    return model
+
+
+def _lora():
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(_random_qwen2(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+
+
+@pytest.mark.parametrize("build,reason", [(_sliding_window, "sliding-window"), (_dynamic_rope, "rope_type"),
+                                          (_hooked, "hooks"), (_lora, "PeftModel")],
+                         ids=["sliding-window", "dynamic-rope", "forward-hook", "lora"])
+def test_unsupported_models_fall_back_to_transformers(models, build, reason, rng):
+    model = build()
+    _, tok = models["default"]
+    assert reason in lean_unsupported_reason(model)
+    auto = HFEngine(model, tok, batch_size=4)
+    assert auto.lean_decoder() is None
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+    params = SamplingParams(max_tokens=5, seed=0)
+    expected = HFEngine(model, tok, batch_size=4, decode="transformers").generate(prompts, 2, params)
+    assert [[c.token_ids for c in row] for row in auto.generate(prompts, 2, params)] == \
+        [[c.token_ids for c in row] for row in expected]
+    with pytest.raises(ValueError, match="rollout.hf_decode=lean"):
+        HFEngine(model, tok, decode="lean").generate(prompts, 1, params)
+
+
+def test_unknown_decode_path_is_rejected(models):
+    model, tok = models["llama"]
+    with pytest.raises(ValueError, match="rollout.hf_decode"):
+        HFEngine(model, tok, decode="fast")
+
+
+def test_lean_step_reads_weights_changed_in_place(models, rng):
+    # No copies of the parameters: an in-place optimizer-style update is seen by the next call.
+    model, tok = models["llama"]
+    engine = HFEngine(model, tok, decode="lean")
+    prompts = _prompts(tok, 3, rng)
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=True)
+    before = [row[0].logprobs for row in engine.generate(prompts, 1, params)]
+    saved = [p.detach().clone() for p in model.parameters()]
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+        after = engine.generate(prompts, 1, params)
+        reference = HFEngine(model, tok, decode="transformers").generate(prompts, 1, params)
+    finally:
+        with torch.no_grad():
+            for p, s in zip(model.parameters(), saved):
+                p.copy_(s)
+    assert [r[0].token_ids for r in after] == [r[0].token_ids for r in reference]
+    assert [r[0].logprobs for r in after] != before
+
+
+def test_activation_checkpointed_blocks_keep_the_lean_step(tiny_cache, rng):  # noqa: F811
+    # parallel.activation_checkpointing wraps each block; the wrapper changes backward only, so the lean step
+    # (which reads the wrapped block's modules) must still apply and give the same tokens.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    model, tok = _load(tiny_cache, "llama")
+    for i, block in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    assert lean_unsupported_reason(model) is None
+    prompts = _prompts(tok, 3, rng)
+    params = SamplingParams(max_tokens=8, seed=rng.randrange(1 << 30))
+    lean, plain = (HFEngine(model, tok, decode=d).generate(prompts, 2, params) for d in ("lean", "transformers"))
+    assert [[c.token_ids for c in row] for row in lean] == [[c.token_ids for c in row] for row in plain]
+
+
+@pytest.mark.parametrize("choice", ["auto", "lean", "transformers"])
+def test_the_trainer_builds_the_engine_with_the_configured_decode_step(models, choice):
+    from fastgrpo.config import RolloutConfig
+    from fastgrpo.rollout.base import ENGINES, EngineSetup
+
+    model, tok = models["llama"]
+    setup = EngineSetup(cfg=RolloutConfig(hf_decode=choice), model=model, tokenizer=tok, model_path=str,
+                        prompt_token_bound=int, seed=0)
+    engine = ENGINES["hf"].from_setup(setup)
+    assert engine.decode == choice and (engine.lean_decoder() is None) == (choice == "transformers")
