@@ -447,6 +447,10 @@ class RunConfig:
     """Global seed (model init of the tiny model, sampling, data order)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' (cuda if available), 'cpu' or 'cuda'."""
+    malloc_mmap_threshold: int = 1 << 20
+    """Linux/glibc: host allocations of at least this many bytes get their own mapping, returned to the system when
+    freed, instead of staying resident in malloc's heaps (fastgrpo.memory; 0 leaves malloc as it is; a
+    MALLOC_MMAP_THRESHOLD_ environment variable wins). At most 32 MiB."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -492,6 +496,8 @@ def check_run_config(cfg: Any, *, head_backend_field: str) -> Any:
     _check(bool(cfg.name) and cfg.name not in (".", "..") and not any(c in cfg.name for c in "/\\\0"),
            "name", f"must be a plain folder name (no '/', '\\', '..'), got {cfg.name!r}")
     _check(cfg.max_steps >= 1, "max_steps", "must be >= 1")
+    _check(0 <= cfg.malloc_mmap_threshold <= 32 << 20, "malloc_mmap_threshold",
+           f"must be in [0, {32 << 20}] bytes (glibc's limit), got {cfg.malloc_mmap_threshold}")
     if cfg.device == "cuda":
         _check(torch.cuda.is_available(), "device",
                "is 'cuda' but no CUDA device is available (torch.cuda.is_available() is False); use auto or cpu")
