@@ -3,12 +3,12 @@
     python benchmarks/mem_ab.py --config run.yaml --variants 'a:mmap=32M,mb=4096' 'b:mmap=1M,mb=1024' --rounds 3
 
 One Trainer, one rollout; then each round runs ``Trainer.policy_update`` (forward, backward, clip, AdamW step) once
-per variant, in rotated order, and reports the median seconds per variant with the range and each round's ratio to
-the first variant. A variant sets glibc's mmap threshold (``mmap=``: bytes, with K/M suffix; mallopt
-M_MMAP_THRESHOLD, process-wide, takes effect for the allocations that follow; ``dynamic`` is not restorable once set,
-32M is glibc's dynamic threshold's ceiling, where it settles during training), the micro-batch token budget
-(``mb=``) and AdamW's ``foreach`` (``foreach=0|1``). Peak memory is not measured here (one process holds every
-variant's history): use ``mem_profile.py``, one process per setting.
+per variant, in rotated order, and reports the median wall and process-CPU seconds per variant with the range and
+each round's ratio to the first variant (CPU time is the steadier figure on a shared machine). A variant sets glibc's
+mmap threshold (``mmap=``: bytes, with K/M suffix; mallopt M_MMAP_THRESHOLD, process-wide, for the allocations that
+follow; glibc's rising default cannot be restored once set, and 32M is its ceiling, where it settles during
+training), the micro-batch token budget (``mb=``) and AdamW's ``foreach`` (``foreach=0|1``). Peak memory is not
+measured here (one process holds every variant's history): use ``mem_profile.py``, one process per setting.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def main() -> int:
         ep = t.rollout()
         t.policy_update(ep, StepMetrics())  # warm-up: creates the optimizer state
         times: dict[str, list[float]] = {name: [] for name, _ in variants}
+        cpu: dict[str, list[float]] = {name: [] for name, _ in variants}  # process CPU time: robust to a shared machine
         for r in range(args.rounds):
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for name, v in order:
@@ -72,19 +73,22 @@ def main() -> int:
                     for g in t.optimizer.param_groups:
                         g["foreach"] = bool(v["foreach"])
                 libc.malloc_trim(0)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 t.policy_update(ep, StepMetrics())
                 times[name].append(time.perf_counter() - t0)
-                print(f"round {r} {name}: {times[name][-1]:.2f} s", flush=True)
+                cpu[name].append(time.process_time() - c0)
+                print(f"round {r} {name}: {times[name][-1]:.2f} s wall, {cpu[name][-1]:.2f} s CPU", flush=True)
     finally:
         t.close()
         fdist.destroy_distributed()
     first = variants[0][0]
-    for name, _ in variants:
-        ts = times[name]
-        ratios = [a / b for a, b in zip(ts, times[first])]
-        print(f"{name}: median {statistics.median(ts):.2f} s (range {min(ts):.2f}-{max(ts):.2f}); "
-              f"/ {first} per round: {', '.join(f'{x:.3f}' for x in ratios)}")
+    for what, table in (("wall", times), ("CPU", cpu)):
+        for name, _ in variants:
+            ts = table[name]
+            ratios = [a / b for a, b in zip(ts, table[first])]
+            print(f"{what} {name}: median {statistics.median(ts):.2f} s (range {min(ts):.2f}-{max(ts):.2f}); "
+                  f"/ {first} per round: {', '.join(f'{x:.3f}' for x in ratios)} "
+                  f"(median {statistics.median(ratios):.3f})")
     return 0
 
 

@@ -276,8 +276,9 @@ class GRPOConfig:
     """Two-sided clipping: clamp the unclipped ratio at delta (TRL's delta); None = off."""
     num_iterations: int = 1
     """Policy updates per rollout batch (mu); > 1 uses stored old log-probs."""
-    max_tokens_per_microbatch: int = 4096
-    """Token budget of one packed micro-batch; gradients are accumulated across micro-batches."""
+    max_tokens_per_microbatch: int | None = None
+    """Token budget of one packed micro-batch; gradients are accumulated across micro-batches. None: 1024 on a CPU
+    (activations set host memory there, and smaller rows cost no speed: benchmarks/RESULTS.md), 4096 on CUDA."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """'token' (GRPO: one ratio per token) or 'sequence' (GSPO: exp(mean over the sequence of logp - old), shared by
     its tokens, clipped at sequence_epsilon_low / sequence_epsilon_high)."""
@@ -318,7 +319,8 @@ class GRPOConfig:
         _check(self.delta is None or self.delta > 1 + self.epsilon_high, f"{p}.delta",
                "must exceed 1 + epsilon_high")
         _check(self.num_iterations >= 1, f"{p}.num_iterations", "must be >= 1")
-        _check(self.max_tokens_per_microbatch >= 1, f"{p}.max_tokens_per_microbatch", "must be >= 1")
+        _check(self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 1,
+               f"{p}.max_tokens_per_microbatch", "must be >= 1 (or null: the device's default)")
         _check(0 <= self.sequence_epsilon_low < 1, f"{p}.sequence_epsilon_low", "must be in [0, 1)")
         _check(self.sequence_epsilon_high >= 0, f"{p}.sequence_epsilon_high", "must be >= 0")
         _check(0 < self.top_entropy_quantile <= 1, f"{p}.top_entropy_quantile", "must be in (0, 1]")

@@ -1,4 +1,5 @@
-"""Host memory settings (fastgrpo.memory): freed tensors leave the process; the config field reaches malloc."""
+"""Host memory settings: freed tensors leave the process (fastgrpo.memory, the run's malloc_mmap_threshold), and
+the CPU's micro-batch budget (fastgrpo.update.microbatch_tokens)."""
 
 import json
 import os
@@ -7,8 +8,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
-from fastgrpo.config import ConfigError, load_config
+from fastgrpo.config import ConfigError, GRPOConfig, load_config
 from fastgrpo.memory import _glibc, set_malloc_mmap_threshold
 
 glibc_only = pytest.mark.skipif(_glibc() is None, reason="glibc's malloc (Linux) only")
@@ -84,3 +86,36 @@ def test_the_run_sets_the_configured_threshold(tmp_path, monkeypatch):
     loop.TrainingLoop()._init_run(cfg)
     assert seen == [2 << 20]
     assert load_config(None, ["device=cpu"]).malloc_mmap_threshold == 1 << 20  # on by default
+
+
+def test_microbatch_budget_defaults_per_device():
+    from fastgrpo.update import microbatch_tokens
+
+    assert GRPOConfig().max_tokens_per_microbatch is None
+    assert microbatch_tokens(None, "cpu") == 1024 and microbatch_tokens(None, torch.device("cuda", 0)) == 4096
+    assert microbatch_tokens(300, "cpu") == 300  # a set budget stands on every device
+    assert load_config(None, ["grpo.max_tokens_per_microbatch=512"]).grpo.max_tokens_per_microbatch == 512
+    with pytest.raises(ConfigError, match="grpo.max_tokens_per_microbatch"):
+        load_config(None, ["grpo.max_tokens_per_microbatch=0"])
+
+
+def test_the_cpu_update_packs_under_the_default_budget():
+    """grpo_update with the default budget on a CPU: 24 sequences of 100 tokens (2,400) in micro-batches of at most
+    1,024 tokens, every sequence in exactly one of them."""
+    from dist_helpers import tiny_qwen2
+
+    from fastgrpo.config import ParallelConfig, RolloutConfig
+    from fastgrpo.metrics import StepMetrics
+    from fastgrpo.parallelize import parallelize_model
+    from fastgrpo.update import GRPOBatch, grpo_update
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 100, (90,), generator=g).tolist() for _ in range(24)]
+    completions = [torch.randint(0, 100, (10,), generator=g).tolist() for _ in range(24)]
+    model = parallelize_model(tiny_qwen2(), ParallelConfig(), device="cpu", world_size=1)
+    mbs = grpo_update(model, GRPOBatch(prompt_ids=prompts, completion_ids=completions, advantages=torch.randn(24)),
+                      grpo=GRPOConfig(num_generations=8), rollout=RolloutConfig(max_completion_length=10),
+                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=0.0,
+                      metrics=StepMetrics(), device="cpu")
+    assert len(mbs) == 3 and all(mb.input_ids.shape[1] <= 1024 for mb in mbs)
+    assert sorted(i for mb in mbs for i in mb.seq_indices) == list(range(24))
