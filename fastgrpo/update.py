@@ -45,7 +45,7 @@ each a mean over the micro-batch's n tokens (logged token-weighted)."""
 DEFAULT_MICROBATCH_TOKENS = {"cpu": 1024, "cuda": 4096}
 """``grpo.max_tokens_per_microbatch`` when it is None, per device type (others: the CUDA value). On a CPU one
 micro-batch's activations are the largest part of the update's peak memory after the weights, gradients and AdamW
-state (about 0.7 MB per token on the 108M-style model), and rows of ~1000 tokens keep the products as fast as longer
+state (about 0.4 MB per token on the 108M-style model), and rows of ~1000 tokens keep the products as fast as longer
 ones (benchmarks/RESULTS.md)."""
 
 
