@@ -4,8 +4,8 @@ Torch's CPU allocator takes every tensor from malloc. glibc serves an allocation
 heap, and keeps freed heap memory for later requests instead of returning it; the threshold starts at 128 KiB and,
 each time a mapped block is freed, rises to that block's size (up to 32 MiB). After one training step nearly every
 activation and gradient of a small model (a few MiB each) comes from the heaps, and their mix of sizes and
-lifetimes fragments them. On the 108M-style benchmark model (benchmarks/RESULTS.md) malloc held 2.0 GB of freed
-memory at the peak, 40% of the peak RSS of 4.8 GB.
+lifetimes fragments them. On the 108M-style benchmark model (benchmarks/RESULTS.md) malloc held 2.05 GB of freed
+memory at the peak, 42% of the peak RSS of 4.90 GB.
 
 A fixed threshold (``mallopt(M_MMAP_THRESHOLD)``, which also turns the rising threshold off) sends every
 allocation of at least that size to its own mapping, returned to the system when the tensor is freed; the heaps
