@@ -279,8 +279,9 @@ class GRPOConfig:
     """Two-sided clipping: clamp the unclipped ratio at delta (TRL's delta); None = off."""
     num_iterations: int = 1
     """Policy updates per rollout batch (mu); > 1 uses stored old log-probs."""
-    max_tokens_per_microbatch: int = 4096
-    """Token budget of one packed micro-batch; gradients are accumulated across micro-batches."""
+    max_tokens_per_microbatch: int | None = None
+    """Token budget of one packed micro-batch; gradients are accumulated across micro-batches. None: 1024 on a CPU
+    (activations set host memory there, and smaller rows cost no speed: benchmarks/RESULTS.md), 4096 on CUDA."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """'token' (GRPO: one ratio per token) or 'sequence' (GSPO: exp(mean over the sequence of logp - old), shared by
     its tokens, clipped at sequence_epsilon_low / sequence_epsilon_high)."""
@@ -321,7 +322,8 @@ class GRPOConfig:
         _check(self.delta is None or self.delta > 1 + self.epsilon_high, f"{p}.delta",
                "must exceed 1 + epsilon_high")
         _check(self.num_iterations >= 1, f"{p}.num_iterations", "must be >= 1")
-        _check(self.max_tokens_per_microbatch >= 1, f"{p}.max_tokens_per_microbatch", "must be >= 1")
+        _check(self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 1,
+               f"{p}.max_tokens_per_microbatch", "must be >= 1 (or null: the device's default)")
         _check(0 <= self.sequence_epsilon_low < 1, f"{p}.sequence_epsilon_low", "must be in [0, 1)")
         _check(self.sequence_epsilon_high >= 0, f"{p}.sequence_epsilon_high", "must be >= 0")
         _check(0 < self.top_entropy_quantile <= 1, f"{p}.top_entropy_quantile", "must be in (0, 1]")
@@ -450,6 +452,10 @@ class RunConfig:
     """Global seed (model init of the tiny model, sampling, data order)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' (cuda if available), 'cpu' or 'cuda'."""
+    malloc_mmap_threshold: int = 1 << 20
+    """Linux/glibc: host allocations of at least this many bytes get their own mapping, returned to the system when
+    freed, instead of staying resident in malloc's heaps (fastgrpo.memory; 0 leaves malloc as it is; a
+    MALLOC_MMAP_THRESHOLD_ environment variable wins). At most 32 MiB."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -495,6 +501,8 @@ def check_run_config(cfg: Any, *, head_backend_field: str) -> Any:
     _check(bool(cfg.name) and cfg.name not in (".", "..") and not any(c in cfg.name for c in "/\\\0"),
            "name", f"must be a plain folder name (no '/', '\\', '..'), got {cfg.name!r}")
     _check(cfg.max_steps >= 1, "max_steps", "must be >= 1")
+    _check(0 <= cfg.malloc_mmap_threshold <= 32 << 20, "malloc_mmap_threshold",
+           f"must be in [0, {32 << 20}] bytes (glibc's limit), got {cfg.malloc_mmap_threshold}")
     if cfg.device == "cuda":
         _check(torch.cuda.is_available(), "device",
                "is 'cuda' but no CUDA device is available (torch.cuda.is_available() is False); use auto or cpu")

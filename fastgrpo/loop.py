@@ -27,6 +27,7 @@ from fastgrpo.config import to_dict
 from fastgrpo.guard import NonFiniteGuard
 from fastgrpo.metrics import RunLog, drop_records_after
 from fastgrpo.lora import apply_lora, check_peft_available, trainable_parameters
+from fastgrpo.memory import set_malloc_mmap_threshold
 from fastgrpo.model import check_plain_head, load_model
 from fastgrpo.parallelize import parallelize_model, uses_fsdp
 
@@ -63,6 +64,7 @@ class TrainingLoop:
         self.run_dir = cfg.run_dir
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
+        set_malloc_mmap_threshold(cfg.malloc_mmap_threshold)  # before the model and its gradients are allocated
         # Cheap checks first: the launch and the run folder fail before any data or model loads.
         preflight.check_launch(cfg, self.world_size)
         preflight.check_run_dir(cfg)

@@ -33,13 +33,27 @@ from fastgrpo.losses import SFT_NORMALIZATIONS, GlobalCounts, token_weights, tru
 from fastgrpo.metrics import StepMetrics
 from fastgrpo.packing import MicroBatch, pack, plan_microbatches, split_to_count
 
-__all__ = ["GRPOBatch", "HeadLoss", "entropy_mask", "grpo_update", "optimizer_update", "packed_logprobs",
-           "plan_packed", "sequence_numbers", "sft_update", "sft_weights"]
+__all__ = ["DEFAULT_MICROBATCH_TOKENS", "GRPOBatch", "HeadLoss", "entropy_mask", "grpo_update", "microbatch_tokens",
+           "optimizer_update", "packed_logprobs", "plan_packed", "sequence_numbers", "sft_update", "sft_weights"]
 
 HeadLoss = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``head_loss(mb, hidden [n, H], lm_head_weight [V, H]) -> (loss, stats)``: loss a scalar whose gradients add up
 over micro-batches (normalised over the global batch by the caller); stats maps metric names to device scalars,
 each a mean over the micro-batch's n tokens (logged token-weighted)."""
+
+
+DEFAULT_MICROBATCH_TOKENS = {"cpu": 1024, "cuda": 4096}
+"""``grpo.max_tokens_per_microbatch`` when it is None, per device type (others: the CUDA value). On a CPU one
+micro-batch's activations are the largest part of the update's peak memory after the weights, gradients and AdamW
+state (about 0.4 MB per token on the 108M-style model), and rows of ~1000 tokens keep the products as fast as longer
+ones (benchmarks/RESULTS.md)."""
+
+
+def microbatch_tokens(budget: int | None, device: torch.device | str) -> int:
+    """The micro-batch token budget: ``budget``, or the device's default when it is None."""
+    if budget is not None:
+        return budget
+    return DEFAULT_MICROBATCH_TOKENS.get(torch.device(device).type, DEFAULT_MICROBATCH_TOKENS["cuda"])
 
 
 def plan_packed(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_tokens: int, *,
@@ -167,8 +181,8 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
     if batch.sil_mask is not None:  # self-imitation: at ratio 1 the gradient of -(A + c) r is that of -(A + c) logp
         adv_seq = adv_seq + grpo.sil_coef * batch.sil_mask.float()
     adv = torch.repeat_interleave(adv_seq, lengths).to(device)  # [N]
-    mbs = plan_packed(batch.prompt_ids, batch.completion_ids, grpo.max_tokens_per_microbatch, device=device,
-                      pad_token_id=pad_token_id)
+    mbs = plan_packed(batch.prompt_ids, batch.completion_ids, microbatch_tokens(grpo.max_tokens_per_microbatch, device),
+                      device=device, pad_token_id=pad_token_id)
     # One kernel path for the loss and the old / reference log-probs: exp(logp - old) is exactly 1 while the policy
     # has not moved. Sequence level (GSPO) needs a recompute path: 'auto' then picks triton on CUDA.
     sequence_level = grpo.importance_sampling_level == "sequence"
