@@ -107,12 +107,12 @@ def run_one(name: str, overrides: list[str], *, out: Path, seeds_rows: list[dict
     }
 
 
-def _pm(values: list[float], pct: bool = True) -> str:
+def _pm(values: list[float], pct: bool = True, digits: int = 1) -> str:
     scale = 100 if pct else 1
     mean = statistics.mean(values) * scale
     if len(values) < 2:
-        return f"{mean:.1f}"
-    return f"{mean:.1f} ± {statistics.stdev(values) * scale:.1f}"
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {statistics.stdev(values) * scale:.{digits}f}"
 
 
 def table(runs: list[dict], control: dict | None, n: int) -> str:
@@ -127,8 +127,8 @@ def table(runs: list[dict], control: dict | None, n: int) -> str:
         return (f"| {label} | {_pm(col('greedy_before'))} -> {_pm(col('greedy_after'))} | {_pm(gain)} | "
                 f"{_pm(col('best_before'))} -> {_pm(col('best_after'))} | {_pm(col('seeds_greedy_before'))} -> "
                 f"{_pm(col('seeds_greedy_after'))} | {_pm(col('seeds_best_before'))} -> "
-                f"{_pm(col('seeds_best_after'))} | {_pm(col('reward_first5'), False)} -> "
-                f"{_pm(col('reward_last5'), False)} | {_pm(col('grpo_steps_s'), False)} | "
+                f"{_pm(col('seeds_best_after'))} | {_pm(col('reward_first5'), False, 3)} -> "
+                f"{_pm(col('reward_last5'), False, 3)} | {_pm(col('grpo_steps_s'), False)} | "
                 f"{_pm(col('grpo_wall_s'), False)} |")
 
     rows.append(line(f"GRPO, {len(runs)} seeds (mean ± sd, %)", runs))

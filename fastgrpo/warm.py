@@ -1,9 +1,14 @@
 """Warm-started tiny models: the SFT recipe run once on first use, cached like the tiny model.
 
 ``model.name_or_path: tiny:countdown`` names the embedded Countdown model: the random ``tiny:small`` model after
-a short SFT (:mod:`fastgrpo.sft`) on Countdown solutions written by the exhaustive solver. It is what ``make
-demo`` starts GRPO from: it solves some held-out problems greedily and many more among a few samples, so GRPO has
-something to sharpen, and a learning curve shows within minutes on a laptop CPU.
+a short SFT (:mod:`fastgrpo.sft`) on Countdown solutions written by the exhaustive solver, as bare equations
+(``sft.trace=answer``: an empty think block, then ``<answer>9*(9-8)</answer>``). It is what ``make demo`` starts
+GRPO from: it solves about a fifth of the held-out problems greedily and about half among 8 samples, so GRPO has
+something to sharpen, and a learning curve shows within minutes on a laptop CPU. Why bare equations rather than the
+intermediate steps: with steps the model wrote arithmetic it could not do (a third of its steps were wrong, and it
+"computed" the target as the last step whatever the numbers gave), and every one of those tokens took a share of
+the GRPO gradient; the bare equation is the choice GRPO has to improve, at half the tokens per sample
+(benchmarks/RESULTS.md, "Countdown learning on the CPU").
 
 A recipe is a list of ``fastgrpo.sft`` overrides (registry ``WARM_RECIPES``). The folder is
 ``<root>/tiny-<name>-<hash>``, the hash taken over the recipe's *resolved* config (every default included) and the
@@ -44,7 +49,7 @@ WARM_RECIPES: dict[str, list[str]] = {
     "countdown": [
         "model.name_or_path=tiny:small", "model.dtype=float32", "device=cpu", "seed=0",
         *COUNTDOWN_DATA, "data.num_train=1800",
-        "sft.trace=steps", "sft.batch_size=64", "sft.max_tokens_per_microbatch=512", "sft.normalization=token",
+        "sft.trace=answer", "sft.batch_size=64", "sft.max_tokens_per_microbatch=512", "sft.normalization=token",
         "max_steps=300", "optim.lr=3e-3", "optim.schedule=cosine", "optim.warmup_steps=20",
         "eval.every=-1", "checkpoint.every=100", "log.report_to=[jsonl]",
     ],
