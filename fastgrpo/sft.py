@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -54,9 +54,9 @@ class SFTOptions:
     trace: str = field(default="steps", metadata=registry("fastgrpo.data.sft:TRACES"))
     """data.source=countdown: how a solver's solution is written ('answer': equation only; 'steps': the
     intermediate results, then the equation)."""
-    solution: Literal["first", "random"] = "first"
-    """data.source=countdown: which solution a trace shows: the solver's first, or one drawn from all of the
-    problem's solutions (fastgrpo.data.sft.SOLUTIONS)."""
+    solution: str = field(default="first", metadata=registry("fastgrpo.data.sft:SOLUTIONS"))
+    """data.source=countdown: which solution a trace shows: 'first' (the solver's first) or 'random' (one drawn from
+    all of the problem's solutions)."""
     near_miss: float = 0.0
     """data.source=countdown: share of training traces that show an honest attempt missing the target by as little
     as any, instead of a solution (held-out traces are solutions)."""
