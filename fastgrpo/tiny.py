@@ -22,11 +22,12 @@ Presets (registry ``PRESETS``):
 - ``default``: Qwen2 (``Qwen2ForCausalLM``), tied embeddings like Qwen2.5-0.5B..3B, q/k/v biases, GQA.
 - ``llama``: Llama (``LlamaForCausalLM``), untied lm_head, no biases: a second architecture for tests that
   must not depend on Qwen2 specifics (packing, trunk/head split with a separate head).
-- ``small``: the Qwen2 layout, wider and deeper (hidden 128, 4 layers, ~1M parameters): the random base of the
-  warm-started Countdown model (``tiny:countdown``, :mod:`fastgrpo.warm`), still trained in about two minutes
-  on two CPU cores.
+- ``small``: the Qwen2 layout, wider and deeper (hidden 128, 4 layers, ~1M parameters).
+- ``medium``: wider again (hidden 256, 8 query and 2 KV heads, 4 layers, ~3.9M parameters): the random base of the
+  warm-started Countdown model (``tiny:countdown``, :mod:`fastgrpo.warm`), still trained in about two minutes on
+  two CPU cores.
 
-head_dim is 32 in both: vLLM's CPU attention backend rejects head sizes below 32.
+head_dim is 32 in every preset: vLLM's CPU attention backend rejects head sizes below 32.
 """
 
 from __future__ import annotations
@@ -160,6 +161,8 @@ def _tokenizer_config(tok) -> dict[str, Any]:
 # hidden 128 = 4 heads x head_dim 32; MLP 4x.
 _SMALL_SHAPE = {**_SHAPE, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
                 "num_attention_heads": 4}
+_MEDIUM_SHAPE = {**_SHAPE, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+                 "num_attention_heads": 8, "num_key_value_heads": 2}
 
 
 def _qwen2_config(vocab_size: int, shape: dict[str, Any] = _SHAPE) -> dict[str, Any]:
@@ -178,6 +181,7 @@ PRESETS: dict[str, Callable[[int], dict[str, Any]]] = {
     "default": _qwen2_config,
     "llama": _llama_config,
     "small": lambda vocab_size: _qwen2_config(vocab_size, _SMALL_SHAPE),
+    "medium": lambda vocab_size: _qwen2_config(vocab_size, _MEDIUM_SHAPE),
 }
 """preset name -> fn(vocab_size) -> config.json fields of the architecture (special token ids added later)."""
 
