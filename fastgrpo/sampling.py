@@ -5,7 +5,8 @@ s // G), N completion tokens.
 
 A group whose G rewards are all equal has advantage 0 for every completion: it adds no policy gradient but still
 dilutes the token normaliser. Dynamic sampling (Yu et al., 2025) drops such groups and draws more prompts, at
-most ``max_rounds`` extra rounds per step; the batch is then the first B kept groups, or fewer when the rounds ran
+most ``max_rounds`` extra rounds per step, each sized by the share of groups kept so far (:func:`round_size`;
+surplus kept groups are dropped); the batch is then the first B kept groups, or fewer when the rounds ran
 out (every kept group is used; with none kept at all the first round's batch is used as it is). Advantages are
 recomputed on the final batch. Every rank runs the same number of rounds (decided by an all-reduce), because
 advantage scaling over the batch and the policy update issue collectives.
@@ -52,6 +53,18 @@ def concat_episodes(eps: list[Episodes]) -> Episodes:
         rewards_per_func=torch.cat([e.rewards_per_func for e in eps]), rewards=torch.cat([e.rewards for e in eps]))
 
 
+def round_size(missing: int, kept: int, asked: int, num_prompts: int) -> int:
+    """Prompts to draw in an extra round: the ``missing`` groups divided by the share of groups kept so far
+    (``kept`` of ``asked``), so that one round usually fills the batch instead of several ever smaller ones (each
+    round costs a whole decode loop whatever its size). At most ``num_prompts`` (the first round's size, so a round
+    never needs more memory than the first), at least 1 (a full rank still takes part in the collectives)."""
+    if missing <= 0:
+        return 1
+    if kept == 0:
+        return num_prompts
+    return max(1, min(num_prompts, -(-missing * asked // kept)))
+
+
 def dynamic_sample(generate: Callable[[int, int], Episodes], *, num_prompts: int, group_size: int, max_rounds: int,
                    scale_rewards: str, any_rank: Callable[[bool], bool],
                    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None, metrics: StepMetrics) -> Episodes:
@@ -59,7 +72,7 @@ def dynamic_sample(generate: Callable[[int, int], Episodes], *, num_prompts: int
     ``any_rank(flag)`` is True when ``flag`` holds on some rank. Metrics: ``sampling/extra_rounds``,
     ``sampling/dropped_groups``, ``sampling/kept_groups`` (totals over ranks), ``sampling/filled_frac``."""
     kept: list[Episodes] = []
-    n_kept = dropped = rounds = 0
+    n_kept = dropped = rounds = asked = 0
     first = ep = generate(num_prompts, 0)
     errors_F, interrupted = ep.reward_errors.clone(), ep.interrupted  # [F]: failed reward calls of every round
     while True:
@@ -71,7 +84,8 @@ def dynamic_sample(generate: Callable[[int, int], Episodes], *, num_prompts: int
         if rounds >= max_rounds or not any_rank(n_kept < num_prompts):
             break
         rounds += 1
-        ep = generate(max(num_prompts - n_kept, 1), rounds)  # a full rank still takes part (collectives)
+        asked += len(ep.adv.zero_std_mask)
+        ep = generate(round_size(num_prompts - n_kept, n_kept, asked, num_prompts), rounds)
         errors_F, interrupted = errors_F + ep.reward_errors, interrupted or ep.interrupted
     if n_kept:
         merged = concat_episodes(kept)

@@ -3,29 +3,33 @@
 ``model.name_or_path: tiny:countdown`` names the embedded Countdown model: the random ``tiny:medium`` model (~3.9M
 parameters) after a short SFT (:mod:`fastgrpo.sft`) on Countdown solutions written by the exhaustive solver, as bare
 equations (``sft.trace=answer``: an empty think block, then ``<answer>9*(9-8)</answer>``), each showing one of the
-problem's solutions drawn at random (``sft.solution=random``). It is what ``make demo`` starts GRPO from: it solves
-about a quarter of the held-out problems greedily and about two thirds among 8 samples, so GRPO has something to
-sharpen, and a learning curve shows within minutes on a laptop CPU. The choices, each measured against the others:
+problem's solutions drawn at random (``sft.solution=random``). It is what ``make demo`` starts GRPO from: it has
+learnt the answer format and the shape of a solution, solves about a tenth of the held-out problems greedily (a
+third among 8 samples), and half of its greedy answers still use numbers other than the given ones, which the
+reward teaches GRPO to fix within minutes on a laptop CPU. The choices, each measured against the others:
 - bare equations rather than intermediate steps: with steps the model wrote arithmetic it could not do (a third of
   its steps were wrong, and it "computed" the target as the last step whatever the numbers gave), and every one of
   those tokens took a share of the GRPO gradient; the bare equation is the choice GRPO has to improve, at half the
   tokens per sample;
 - a random solution rather than the solver's first: the warm model then spreads its samples over several right
-  answers (best-of-8 69% instead of 63%, at the same greedy accuracy), which gives GRPO more groups with a reward
-  to learn from;
+  answers; from the first-solution warm start GRPO gained 8-10 points in 150-250 steps;
 - ``tiny:medium`` rather than the 1M-parameter ``tiny:small``: GRPO from the small model plateaued near 30% greedy;
-  from the medium one it goes on rising. Shorter SFT (200 steps) left a warm start that GRPO moved little.
+  from the medium one it goes on rising. Shorter SFT (200 steps) left a warm start that GRPO moved little;
+- ``seed=1`` (the base model's initialisation and the SFT's order): the SFT's outcome varies a lot with its seed.
+  The seed-0 build solves 24% greedily with its samples spread thin (12% sampled accuracy), and GRPO moved it by
+  about 1 point; the seed-1 build gains over 20. The build is therefore pinned to 2 torch threads
+  (``_BUILD_THREADS``), so that it is the same model on every machine with the same CPU kernels.
 (benchmarks/RESULTS.md, "Countdown learning on the CPU").
 
 A recipe is a list of ``fastgrpo.sft`` overrides (registry ``WARM_RECIPES``). The folder is
 ``<root>/tiny-<name>-<hash>``, the hash taken over the recipe's *resolved* config (every default included) and the
 tiny model's recipe version, so a changed recipe or default builds a new folder instead of reusing a stale one.
 
-The build runs ``python -m fastgrpo.sft`` in a child process: on the CPU (the same weights on every machine, and
-no GPU memory taken from a run that is starting), outside any torchrun process group of the caller, with its
-progress bar on the caller's terminal. Concurrent callers (torchrun ranks, test workers) take a file lock: the
-first builds, the others wait and then find the folder. The result is renamed into place, so no caller ever sees a
-half-written folder.
+The build runs ``python -m fastgrpo.sft`` in a child process: on the CPU with two torch threads (the same weights on
+every machine with the same CPU kernels, and no GPU memory taken from a run that is starting), outside any torchrun
+process group of the caller, with its progress bar on the caller's terminal. Concurrent callers (torchrun ranks,
+test workers) take a file lock: the first builds, the others wait and then find the folder. The result is renamed
+into place, so no caller ever sees a half-written folder.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ __all__ = ["WARM_RECIPES", "build_warm", "recipe_config", "warm_folder"]
 # Bump when the SFT code changes in a way the resolved config does not show (e.g. the trace writer).
 _WARM_VERSION = "w1"
 
+# Torch threads of the build (see build_warm): 2, the demo machine's core count.
+_BUILD_THREADS = 2
+
 # The Countdown distribution the warm model is trained on and the demo trains and evaluates on (see configs/tiny.yaml):
 # three numbers from 1..9 (the seeds' problems have 3-4 numbers from 1..99: too much arithmetic for a ~4M-parameter
 # model trained for two minutes; benchmarks/bench_learning.py reports both).
@@ -54,9 +61,10 @@ COUNTDOWN_DATA = ["data.source=countdown", "data.template=compact", "data.min_nu
 
 WARM_RECIPES: dict[str, list[str]] = {
     "countdown": [
-        "model.name_or_path=tiny:medium", "model.dtype=float32", "device=cpu", "seed=0",
+        "model.name_or_path=tiny:medium", "model.dtype=float32", "device=cpu", "seed=1",
         *COUNTDOWN_DATA, "data.num_train=1800",
-        "sft.trace=answer", "sft.solution=random", "sft.batch_size=64", "sft.max_tokens_per_microbatch=512", "sft.normalization=token",
+        "sft.trace=answer", "sft.solution=random", "sft.batch_size=64", "sft.max_tokens_per_microbatch=512",
+        "sft.normalization=token",
         "max_steps=300", "optim.lr=2e-3", "optim.schedule=cosine", "optim.warmup_steps=20",
         "eval.every=-1", "checkpoint.every=100", "log.report_to=[jsonl]",
     ],
@@ -109,11 +117,15 @@ def build_warm(name: str, *, cache_dir: str | Path | None = None, overrides: lis
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
         if (final / "config.json").is_file():  # built by whoever held the lock before us
             return final
-        print(f"[fastgrpo] building the warm model tiny:{name} (first use only; about 2 minutes on 2 CPU cores) "
+        print(f"[fastgrpo] building the warm model tiny:{name} (first use only; about 1.5 minutes on 2 CPU cores) "
               f"-> {final}", file=sys.stderr, flush=True)
         work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:
             env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+            # A fixed thread count: the CPU kernels' reduction order depends on it, and the SFT amplifies those
+            # rounding differences into a different model (with a different GRPO gain), so every machine of the
+            # same CPU family builds the same weights whatever its core count or the caller's OMP_NUM_THREADS.
+            env.update(OMP_NUM_THREADS=str(_BUILD_THREADS), MKL_NUM_THREADS=str(_BUILD_THREADS))
             cmd = [sys.executable, "-m", "fastgrpo.sft", *WARM_RECIPES[name], *overrides,
                    f"output_dir={work}", "name=build", "checkpoint.resume=never", "checkpoint.export_hf=true"]
             done = subprocess.run(cmd, env=env)

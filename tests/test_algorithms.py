@@ -18,7 +18,7 @@ from fastgrpo.episodes import Episodes
 from fastgrpo.kernels import reference_linear_grpo_loss, reference_linear_logprobs
 from fastgrpo.metrics import StepMetrics
 from fastgrpo.parallelize import parallelize_model
-from fastgrpo.sampling import dynamic_sample
+from fastgrpo.sampling import dynamic_sample, round_size
 from fastgrpo.update import GRPOBatch, entropy_mask, grpo_update
 
 LR = 0.5
@@ -169,7 +169,9 @@ def test_dynamic_sampling_refills_the_batch_and_counts():
     m = StepMetrics()
     ep = dynamic_sample(generate, num_prompts=3, group_size=2, max_rounds=4, scale_rewards="none",
                         any_rank=lambda flag: flag, all_reduce=None, metrics=m)
-    assert asked == [(3, 0), (2, 1), (1, 2)]  # each extra round asks for the groups still missing
+    # each extra round asks for the missing groups divided by the share kept so far, at most B: round 1 misses 2
+    # with 1 of 3 kept (asks min(3, 6)); round 2 misses 1 with 2 of 5 kept (asks ceil(5 / 2) = 3)
+    assert asked == [(3, 0), (3, 1), (3, 2)]
     assert ep.rewards.tolist() == [0, 1, 1, 0, 0, 3]
     assert ep.adv.advantages.tolist() == [-0.5, 0.5, 0.5, -0.5, -1.5, 1.5]
     # the sampler log-probs follow their sequences (lengths alternate 1, 2 tokens): group 1 of round 0 is
@@ -179,6 +181,14 @@ def test_dynamic_sampling_refills_the_batch_and_counts():
     rec = m.reduce()
     assert rec["sampling/extra_rounds"] == 2 and rec["sampling/dropped_groups"] == 3
     assert rec["sampling/kept_groups"] == 3 and rec["sampling/filled_frac"] == 1.0
+
+
+def test_dynamic_sampling_round_size_follows_the_keep_rate():
+    assert round_size(2, kept=6, asked=16, num_prompts=16) == 6  # 2 missing at a keep rate of 6/16: ceil(5.33)
+    assert round_size(10, kept=6, asked=16, num_prompts=16) == 16  # capped at the first round's size
+    assert round_size(3, kept=0, asked=16, num_prompts=16) == 16  # nothing kept yet: a full round
+    assert round_size(4, kept=8, asked=8, num_prompts=16) == 4  # every group kept: just the missing ones
+    assert round_size(0, kept=16, asked=20, num_prompts=16) == 1  # a full rank still joins the round
 
 
 def test_dynamic_sampling_stops_at_the_cap_and_keeps_what_it_has():
