@@ -114,6 +114,21 @@ def test_warm_model_is_built_once_by_its_recipe_and_keyed_by_its_hash(tmp_path, 
         warm.recipe_config("nope")
 
 
+def test_warm_model_weights_do_not_depend_on_the_callers_thread_count(tmp_path, monkeypatch):
+    import hashlib
+
+    from fastgrpo import warm
+
+    # 3 steps of 64 rows: enough for 1 and 2 torch threads to round differently when the build is not pinned.
+    stand_in = ["max_steps=3", "data.num_train=192", "checkpoint.every=0"]
+    digests = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
+        path = warm.build_warm("countdown", cache_dir=tmp_path / threads, overrides=stand_in)
+        digests.append(hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest())
+    assert digests[0] == digests[1]
+
+
 def test_the_demo_evaluates_on_problems_the_warm_models_sft_never_saw():
     from pathlib import Path
 
