@@ -72,7 +72,7 @@ def dynamic_sample(generate: Callable[[int, int], Episodes], *, num_prompts: int
     ``any_rank(flag)`` is True when ``flag`` holds on some rank. Metrics: ``sampling/extra_rounds``,
     ``sampling/dropped_groups``, ``sampling/kept_groups`` (totals over ranks), ``sampling/filled_frac``."""
     kept: list[Episodes] = []
-    n_kept = dropped = rounds = asked = 0
+    n_kept = dropped = rounds = 0
     first = ep = generate(num_prompts, 0)
     errors_F, interrupted = ep.reward_errors.clone(), ep.interrupted  # [F]: failed reward calls of every round
     while True:
@@ -84,8 +84,7 @@ def dynamic_sample(generate: Callable[[int, int], Episodes], *, num_prompts: int
         if rounds >= max_rounds or not any_rank(n_kept < num_prompts):
             break
         rounds += 1
-        asked += len(ep.adv.zero_std_mask)
-        ep = generate(round_size(num_prompts - n_kept, n_kept, asked, num_prompts), rounds)
+        ep = generate(round_size(num_prompts - n_kept, n_kept, n_kept + dropped, num_prompts), rounds)
         errors_F, interrupted = errors_F + ep.reward_errors, interrupted or ep.interrupted
     if n_kept:
         merged = concat_episodes(kept)
