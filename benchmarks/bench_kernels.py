@@ -96,7 +96,7 @@ def _ours_logprobs(inp):
 
 
 def _trl(inp, temperature=1.0):
-    from fastgrpo.kernels.grpo_loss import grpo_token_loss
+    from fastgrpo.kernels import TokenObjective
 
     b, t_len = _liger_sequences(inp, TRL_T)
     logits = (inp["hidden"] @ inp["weight"].T).view(b, t_len, -1)  # [B, T, V], as the model's lm_head returns it
@@ -104,8 +104,7 @@ def _trl(inp, temperature=1.0):
     target_logit = logits.gather(-1, inp["targets"].view(b, t_len, 1)).squeeze(-1)  # [B, T]
     lse = torch.stack([torch.logsumexp(seq, dim=-1) for seq in logits])  # [B, T], one sequence at a time
     logp = (target_logit - lse).reshape(-1)  # [N]
-    per_token, _, _ = grpo_token_loss(logp, inp["advantages"], old_logprobs=None, ref_logprobs=None,
-                                      epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0)
+    per_token, _, _ = TokenObjective(advantages=inp["advantages"]).token_loss(logp, inp["token_weights"] != 0)
     torch.autograd.grad((inp["token_weights"] * per_token).sum(), (inp["hidden"], inp["weight"]))
 
 

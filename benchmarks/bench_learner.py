@@ -50,7 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
 from fastgrpo.metrics import device_peak_flops, update_flops  # noqa: E402
-from fastgrpo.model import choose_attn_implementation, packed_head_forward  # noqa: E402
+from fastgrpo.attention import choose_attn_implementation  # noqa: E402
+from fastgrpo.model import packed_head_forward  # noqa: E402
 from fastgrpo.packing import pack, plan_microbatches  # noqa: E402
 
 # Shapes of the public Qwen2.5 configs (random weights, nothing downloaded).
@@ -106,7 +107,7 @@ def countdown_lengths(num_prompts: int, generations: int, *, seed: int, quick: b
 def build_model(name: str, attn: str, device: torch.device, dtype: torch.dtype, seed: int):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from fastgrpo.model import register_with_transformers
+    from fastgrpo.attention import register_with_transformers
 
     register_with_transformers()  # "sdpa_varlen"
 

@@ -19,7 +19,7 @@ prompts, in alternated rounds; no vLLM. Reports median seconds, tokens, and the 
     python benchmarks/bench_rollout.py --lean-vs-transformers --no-eos --shape tiny-small --prompts 16 --n 8 \
         --prompt-len 11 --max-tokens 40 --hf-batch-size 256
 
---lean-vs-transformers: the transformers engine with its lean decode step (``rollout.hf_decode=lean``) against the
+--lean-vs-transformers: the transformers engine with its lean decode step (``rollout.hf.decode=lean``) against the
 same engine stepping through transformers' forward (``hf_decode=transformers``), same seed, alternated rounds; it
 also checks that both produced the same tokens. The first line is bench_trl's tiny work (2 x 8 sequences, 272-token
 prompts, 64 new tokens), the second the CPU demo's rollout (configs/tiny.yaml: 16 x 8, short prompts, 40 tokens,
@@ -44,7 +44,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastgrpo.rollout.base import SamplingParams  # noqa: E402
-from fastgrpo.rollout.weight_sync import iter_full_tensors  # noqa: E402
+from fastgrpo.policy_state import iter_full_tensors  # noqa: E402
 
 
 def device_name() -> str:

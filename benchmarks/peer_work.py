@@ -81,9 +81,10 @@ def fastgrpo_config(spec: dict) -> dict:
     s, cuda = spec["shared"], spec["device"] == "cuda"
     S = spec["prompts_per_step"] * spec["generations"]
     rollout = {"engine": spec["engine"], "max_completion_length": spec["max_completion_length"],
-               "temperature": s["temperature"], "top_p": s["top_p"], "batch_size": S}  # one generate call, as TRL
+               "temperature": s["temperature"], "top_p": s["top_p"],
+               "hf": {"batch_size": S}}  # one generate call, as TRL
     if spec["engine"] == "vllm":
-        rollout |= {"enforce_eager": not cuda, "sleep_level": 1 if cuda else 0, "gpu_memory_utilization": 0.3}
+        rollout["vllm"] = {"enforce_eager": not cuda, "sleep_level": 1 if cuda else 0, "gpu_memory_utilization": 0.3}
     return {
         "name": "fastgrpo", "output_dir": spec["run_dir"], "max_steps": spec["warmup"] + spec["steps"],
         "seed": spec["seed"], "device": spec["device"],

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fastgrpo.errors import DiskFullError, is_disk_full
-from fastgrpo.lora import is_lora
+from fastgrpo.policy_state import clean_param_name, is_lora, iter_policy_tensors
 
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
@@ -103,8 +103,6 @@ def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
     2.13), so the model's dict is also cut to the trainable parameters' names."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     if is_lora(model):
-        from fastgrpo.rollout.weight_sync import clean_param_name
-
         keep = {clean_param_name(n) for n, p in model.named_parameters() if p.requires_grad}
         model_sd = {k: v for k, v in model_sd.items() if k in keep}
     return model_sd, optim_sd
@@ -243,9 +241,8 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, tokenizer: Any) -> Path 
 def export_merged(out_dir: Path, *, model: torch.nn.Module, tokenizer: Any) -> Path | None:
     """Write a LoRA model as a plain Hugging Face folder with the adapters merged into the base weights.
 
-    The merged weights stream one layer at a time (``weight_sync.iter_policy_tensors``, a collective under FSDP)
+    The merged weights stream one layer at a time (``policy_state.iter_policy_tensors``, a collective under FSDP)
     onto rank 0's CPU; the policy's own weights are not touched."""
-    from fastgrpo.rollout.weight_sync import iter_policy_tensors
 
     if not is_lora(model):
         raise ValueError("checkpoint.export_merged needs a LoRA model (model.lora.rank > 0)")

@@ -12,13 +12,13 @@ import sys
 from typing import Any, Callable
 
 from fastgrpo.config import ConfigError, describe, load_config
+from fastgrpo import distributed as fdist
 from fastgrpo.errors import RunError
+from fastgrpo.metrics import SINKS
 
 
 def check_sinks(cfg: Any) -> None:
     """A missing metrics extra (wandb) is a one-line message with the install command, before anything loads."""
-    from fastgrpo.metrics import SINKS
-
     for sink in cfg.log.report_to:
         SINKS[sink].check_available()
 
@@ -42,8 +42,6 @@ def run_cli(argv: list[str] | None, *, prog: str, description: str, cls: type, m
     except (ConfigError, ImportError) as e:
         print(f"{prog}: config error: {e}", file=sys.stderr)
         return 2
-
-    from fastgrpo import distributed as fdist
 
     fdist.init_distributed(cfg.device)
     try:

@@ -22,27 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import re
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from fastgrpo.config import LoraConfig
+from fastgrpo.policy_state import is_lora, merged_tensors  # noqa: F401  (re-exported: the LoRA API)
 
 __all__ = ["AdapterDisabled", "apply_lora", "check_peft_available", "is_lora", "merged_tensors",
            "trainable_parameters"]
 
 _INSTALL_HINT = "model.lora needs peft, which is not installed: pip install fastgrpo[lora]  (or peft>=0.17)"
-
-# The parts peft adds to a parameter's name: the wrapper prefix and the frozen layer inside a LoRA layer.
-_PEFT_PREFIX = "base_model.model."
-_BASE_LAYER = ".base_layer"
-# model.lora.modules_to_save: peft's trained copy (``model.norm.modules_to_save.default.weight``) and the frozen
-# original it keeps for the reference (``model.norm.original_module.weight``)
-_SAVED = re.compile(r"\.modules_to_save\.[^.]+\.")
-_ORIGINAL = ".original_module."
-
 
 def check_peft_available() -> None:
     """Cheap check (no import), run before any model loads: ImportError saying what to install."""
@@ -90,11 +81,6 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     return peft_model
 
 
-def is_lora(model: nn.Module) -> bool:
-    """Whether ``model`` is a peft-wrapped policy (also after ``parallelize_model``)."""
-    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
-
-
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters the optimizer updates: the adapters under LoRA, every parameter otherwise."""
     return [p for p in model.parameters() if p.requires_grad]
@@ -140,58 +126,4 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     finally:
         for m, was in zip(layers, before):
             m._disable_adapters = was
-
-def hf_name(name: str) -> str:
-    """A peft parameter name -> the base model's Hugging Face name (``...q_proj.base_layer.weight`` ->
-    ``...q_proj.weight``, ``model.norm.modules_to_save.default.weight`` -> ``model.norm.weight``). Adapter names
-    (``lora_A``/``lora_B``) are returned with the prefix removed only."""
-    if name.startswith(_PEFT_PREFIX):
-        name = name[len(_PEFT_PREFIX):]
-    return _SAVED.sub(".", name.replace(_BASE_LAYER + ".", "."))
-
-
-def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Hugging Face module name (``model.layers.0.self_attn.q_proj``) -> its peft LoRA layer."""
-    from peft.tuners.lora import LoraLayer
-
-    from fastgrpo.rollout.weight_sync import clean_param_name
-
-    return {hf_name(clean_param_name(n)): m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
-
-
-def merged_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Turn a stream of a LoRA model's ``(name, full tensor)`` (``weight_sync.iter_full_tensors``) into the base
-    model's Hugging Face names and merged weights: ``W + scale * B @ A`` for each adapted layer, other tensors
-    unchanged.
-
-    A layer's frozen weight is held until its two adapter matrices arrive (peft registers them right after it), so
-    at most one layer's tensors are held; the merged weight is a new tensor, computed in float32 and cast back.
-    """
-    layers = _lora_layers(model)
-    held: dict[str, dict[str, torch.Tensor]] = {}  # module name -> {"W": .., "A": .., "B": ..}
-    for name, t in named_tensors:
-        if _ORIGINAL in name:  # the frozen original of a module trained in full: the engine gets the trained copy
-            continue
-        name = hf_name(name)
-        module, _, leaf = name.rpartition(".")
-        if ".lora_A." in name or ".lora_B." in name:
-            module = name.split(".lora_")[0]
-            held.setdefault(module, {})["A" if ".lora_A." in name else "B"] = t
-        elif leaf == "weight" and module in layers:
-            held.setdefault(module, {})["W"] = t
-        else:
-            yield name, t
-            continue
-        parts = held[module]
-        if len(parts) == 3:
-            del held[module]
-            layer = layers[module]
-            (adapter,) = layer.active_adapters
-            scale = layer.scaling[adapter]
-            w = parts["W"]
-            delta = parts["B"].float() @ parts["A"].float()  # [H_out, r] @ [r, H_in]
-            yield f"{module}.weight", (w.float() + scale * delta).to(w.dtype)
-    if held:
-        raise ValueError(f"LoRA merge: layers {sorted(held)} lack their weight or an adapter matrix")
 

@@ -74,16 +74,17 @@ mean over sequences). The SFT loss is sum_t w_t * -log p(y_t) with these weights
 
 
 def token_weights(loss_type: str, lengths: torch.Tensor, counts: GlobalCounts,
-                  registry: dict[str, Callable] = LOSS_TYPES) -> torch.Tensor:
+                  registry: dict[str, Callable] = LOSS_TYPES, *, num_tokens: int | None = None) -> torch.Tensor:
     """Per-token weights [N] in the flat layout, for this rank's sequences of completion ``lengths`` [S_local].
-    ``registry``: LOSS_TYPES (GRPO) or SFT_NORMALIZATIONS."""
+    ``registry``: LOSS_TYPES (GRPO) or SFT_NORMALIZATIONS. ``num_tokens``: N when the caller knows it (otherwise it
+    is read from ``lengths``, a host sync when they live on a GPU)."""
     try:
         fn = registry[loss_type]
     except KeyError:
         what = "loss_type" if registry is LOSS_TYPES else "normalization"
         raise ValueError(f"unknown {what} {loss_type!r}; known: {sorted(registry)}") from None
     per_seq = fn(lengths, counts)  # [S_local]
-    return torch.repeat_interleave(per_seq, lengths)  # [N]
+    return torch.repeat_interleave(per_seq, lengths, output_size=num_tokens)  # [N]
 
 
 def truncated_importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:

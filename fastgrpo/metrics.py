@@ -1,7 +1,7 @@
 """Metrics: device-side accumulation, one reduction per step, and sinks (progress bar, jsonl, wandb).
 
 Inside a micro-batch nothing leaves the device: values are added as tensors into a StepMetrics and only
-``StepMetrics.reduce()`` (once per step) all-reduces across ranks and converts to Python floats.
+``StepMetrics.reduce()`` (once per step) all-reduces across ranks and converts to Python floats, in one read.
 """
 
 from __future__ import annotations
@@ -46,34 +46,55 @@ def update_flops(model: torch.nn.Module, prompt_lens: list[int], comp_lens: list
             + 6 * cfg.num_hidden_layers * d_attn * sum(t * t for t in totals))
 
 
-# internal key prefixes: a min is a max of negatives; means and moments travel as sums
-_NEG, _MOM, _SUM = "__neg__/", "__moments__/", "__sum__/"
+# internal key prefix: a min is a max of negatives
+_NEG = "__neg__/"
 
 
 class StepMetrics:
     """Accumulates named scalars as device tensors; ``reduce()`` makes them global over ranks in one sync.
 
     ``add``: weighted mean (weights summed over micro-batches and ranks, so a rank with more tokens counts more);
-    ``set``: a step-level value, averaged over ranks; ``total``: a sum; ``max``/``min``: extremes; ``moments``:
-    global mean and std of a set of values; ``host``: a float already on the host (rank 0's), not reduced.
+    ``add_many``: ``add`` of several values with one weight, in three dispatched ops whatever their number (a
+    micro-batch's statistics); ``set``: a step-level value, averaged over ranks; ``total``: a sum; ``max``/``min``:
+    extremes; ``moments``: global mean and std of a set of values; ``host``: a float already on the host (rank 0's),
+    not reduced. Nothing here reads a device value before ``reduce()``: weights are host floats, NaN values are
+    left out of ``moments`` by masking, not by boolean indexing (whose output size is a host sync).
     """
 
     def __init__(self) -> None:
-        self._sum: dict[str, torch.Tensor] = {}  # name -> [2]: (sum of weight * value, sum of weight)
+        # weighted means, in groups added together: names -> ([K] sums of weight * value, host sum of weights)
+        self._sum: dict[tuple[str, ...], tuple[torch.Tensor, float]] = {}
         self._total: dict[str, torch.Tensor] = {}
         self._max: dict[str, torch.Tensor] = {}
         self._moments: dict[str, tuple[torch.Tensor, str | None]] = {}  # mean name -> ([3] sums, std name)
         self._host: dict[str, float] = {}
+        self._group_of: dict[str, tuple[str, ...]] = {}  # name -> its key in _sum
 
-    def add(self, name: str, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
+    def add(self, name: str, value: torch.Tensor, weight: float = 1.0) -> None:
         """Running weighted mean of ``value`` (a 0-d tensor)."""
-        v = value.detach().float()
-        pair = torch.stack([v * weight, torch.as_tensor(weight, dtype=torch.float32, device=v.device)])
-        self._sum[name] = self._sum[name] + pair if name in self._sum else pair
+        self._accumulate((name,), value.detach().float().reshape(1), weight)
+
+    def add_many(self, values: dict[str, torch.Tensor], weight: float = 1.0) -> None:
+        """``add(name, value, weight)`` for every item of ``values`` (0-d tensors), with the same numbers."""
+        with torch.no_grad():
+            stacked = torch.stack(list(values.values())).float()  # [K]
+        self._accumulate(tuple(values), stacked, weight)
+
+    def _accumulate(self, names: tuple[str, ...], values: torch.Tensor, weight: float) -> None:
+        for n in names:
+            if self._group_of.setdefault(n, names) != names:
+                raise ValueError(f"metric {n!r} was added with {self._group_of[n]}: add it the same way every time")
+        weighted = values if weight == 1.0 else values * weight  # [K] (x * 1.0 is x: skip the op)
+        if names in self._sum:
+            acc, w = self._sum[names]
+            self._sum[names] = (acc + weighted, w + float(weight))
+        else:
+            self._sum[names] = (weighted, float(weight))
 
     def set(self, name: str, value: torch.Tensor) -> None:
         """A step-level device value, averaged over ranks."""
-        self._sum.pop(name, None)
+        if self._group_of.get(name) == (name,):
+            del self._sum[(name,)], self._group_of[name]
         self.add(name, value)
 
     def total(self, name: str, value: torch.Tensor) -> None:
@@ -85,8 +106,9 @@ class StepMetrics:
         """Mean (and unbiased std) of ``values`` over every rank's elements: a global statistic, not a mean of
         per-rank ones. NaN entries (a reward function that returned None) are left out."""
         v = values.detach().float().reshape(-1)
-        v = v[~torch.isnan(v)]
-        sums = torch.stack([v.sum(), (v * v).sum(), v.new_tensor(float(v.numel()))])  # [3]
+        nan = torch.isnan(v)
+        v = v.masked_fill(nan, 0.0)  # the same values when there is no NaN: the same sums
+        sums = torch.stack([v.sum(), (v * v).sum(), (v.numel() - nan.sum()).float()])  # [3]
         self._moments[mean_name] = (sums, std_name)
 
     def max(self, name: str, value: torch.Tensor) -> None:
@@ -101,45 +123,42 @@ class StepMetrics:
     def host(self, name: str, value: float) -> None:
         self._host[name] = float(value)
 
-    @staticmethod
-    def _reduce(store: dict[str, torch.Tensor], op: str) -> dict[str, list[float]]:
-        if not store:
-            return {}
-        keys = list(store)
-        # one device for the collective (NCCL reduces CUDA tensors only): a CUDA one if any value lives there
-        device = next((v.device for v in store.values() if v.device.type != "cpu"), torch.device("cpu"))
-        parts = [store[k].reshape(-1).to(device) for k in keys]
-        flat = torch.cat(parts)  # [M]
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flat, op=getattr(dist.ReduceOp, op))
-        values = flat.cpu().tolist()
-        out, i = {}, 0
-        for k, p in zip(keys, parts):
-            out[k], i = values[i:i + p.numel()], i + p.numel()
-        return out
-
     def reduce(self) -> dict[str, float]:
-        """One all-reduce per kind (sum, max) and one host transfer each; returns floats."""
-        summed = self._reduce({**{f"{_SUM}{k}": v for k, v in self._sum.items()}, **self._total,
-                               **{f"{_MOM}{k}": v for k, (v, _) in self._moments.items()}}, "SUM")
+        """One all-reduce per kind (sum, max), then one host transfer of everything; returns floats."""
+        sums = list(self._sum.items())
+        moments = list(self._moments.items())
+        summed = ([acc for _, (acc, _) in sums] + list(self._total.values()) + [m for _, (m, _) in moments]
+                  + [torch.tensor([w for _, (_, w) in sums], dtype=torch.float32)])
+        maxed = list(self._max.values())
+        # one device for the collective (NCCL reduces CUDA tensors only): a CUDA one if any value lives there
+        device = next((v.device for v in summed + maxed if v.device.type != "cpu"), torch.device("cpu"))
+        flat_sum = torch.cat([v.reshape(-1).to(device) for v in summed])
+        flat_max = torch.cat([v.reshape(-1).to(device) for v in maxed]) if maxed else flat_sum[:0]
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flat_sum, op=dist.ReduceOp.SUM)
+            if maxed:
+                dist.all_reduce(flat_max, op=dist.ReduceOp.MAX)
+        values = iter(torch.cat([flat_sum, flat_max]).tolist())  # the metrics' one host sync
+
+        def take(t: torch.Tensor) -> list[float]:
+            return [next(values) for _ in range(t.numel())]
+
+        sum_values = [take(acc) for _, (acc, _) in sums]
+        totals = [take(v)[0] for v in self._total.values()]
+        moment_values = [take(m) for _, (m, _) in moments]
+        weights = take(summed[-1])
         out: dict[str, float] = {}
-        for key, vals in summed.items():
-            if key.startswith(_SUM):
-                out[key[len(_SUM):]] = vals[0] / vals[1] if vals[1] else float("nan")
-            elif key.startswith(_MOM):
-                s, sq, n = vals
-                mean = s / n if n else float("nan")
-                out[key[len(_MOM):]] = mean
-                std_name = self._moments[key[len(_MOM):]][1]
-                if std_name is not None:
-                    out[std_name] = (max(sq - n * mean * mean, 0.0) / (n - 1)) ** 0.5 if n > 1 else 0.0
-            else:
-                out[key] = vals[0]
-        for key, vals in self._reduce(self._max, "MAX").items():
-            if key.startswith(_NEG):
-                out[key[len(_NEG):]] = -vals[0]
-            else:
-                out[key] = vals[0]
+        for (names, _), vals, w in zip(sums, sum_values, weights):
+            out.update((name, v / w if w else float("nan")) for name, v in zip(names, vals))
+        out.update(zip(self._total, totals))
+        for (mean_name, (_, std_name)), (s, sq, n) in zip(moments, moment_values):
+            mean = s / n if n else float("nan")
+            out[mean_name] = mean
+            if std_name is not None:
+                out[std_name] = (max(sq - n * mean * mean, 0.0) / (n - 1)) ** 0.5 if n > 1 else 0.0
+        for key, v in self._max.items():
+            first = take(v)[0]
+            out[key[len(_NEG):] if key.startswith(_NEG) else key] = -first if key.startswith(_NEG) else first
         out.update(self._host)
         return out
 

@@ -20,13 +20,12 @@ size, V vocabulary size.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from fastgrpo.cli import run_cli
-from fastgrpo.config import ConfigError, RunConfig, check_run_config, registry
+from fastgrpo.config import SFTConfig, SFTOptions  # noqa: F401  (SFTOptions: re-exported, the SFT API)
 from fastgrpo import distributed as fdist
 from fastgrpo.data.sampler import PromptSampler
 from fastgrpo.data.sft import build_sft_datasets
@@ -38,59 +37,9 @@ from fastgrpo.model import load_tokenizer
 from fastgrpo.rewards import REWARDS
 from fastgrpo.rollout.hf import HFEngine
 from fastgrpo.update import packed_logprobs, plan_packed, sft_update, sft_weights
+from fastgrpo.warm import build_warm  # noqa: F401  (importing it registers the warm models, e.g. tiny:countdown)
 
 __all__ = ["SFTConfig", "SFTOptions", "SFTTrainer", "main"]
-
-
-@dataclass(kw_only=True)
-class SFTOptions:
-    batch_size: int = 32
-    """Sequences per optimizer step on each rank."""
-    normalization: str = field(default="token", metadata=registry("fastgrpo.losses:SFT_NORMALIZATIONS"))
-    """Loss average over the global batch: 'token' (every completion token weighs the same) or 'sequence' (the
-    token mean of each sequence, then the mean over sequences)."""
-    max_tokens_per_microbatch: int = 1024
-    """Token budget of one packed micro-batch (prompt + completion tokens); gradients accumulate across them."""
-    trace: str = field(default="steps", metadata=registry("fastgrpo.data.sft:TRACES"))
-    """data.source=countdown: how a solver's solution is written ('answer': equation only; 'steps': the
-    intermediate results, then the equation)."""
-    solution: str = field(default="first", metadata=registry("fastgrpo.data.sft:SOLUTIONS"))
-    """data.source=countdown: which solution a trace shows: 'first' (the solver's first) or 'random' (one drawn from
-    all of the problem's solutions)."""
-    near_miss: float = 0.0
-    """data.source=countdown: share of training traces that show an honest attempt missing the target by as little
-    as any, instead of a solution (held-out traces are solutions)."""
-    head_backend: str = field(default="auto", metadata=registry("fastgrpo.kernels:BACKENDS"))
-    """lm_head + loss kernel path, as grpo.head_backend."""
-    eval_reward: str | None = None
-    """A reward (fastgrpo.rewards.REWARDS name, e.g. 'countdown') that scores greedy completions of held-out
-    prompts at each evaluation, besides their loss; None = loss only."""
-
-    def validate(self, p: str) -> None:
-        if self.batch_size < 1:
-            raise ConfigError(f"{p}.batch_size: must be >= 1")
-        if self.max_tokens_per_microbatch < 1:
-            raise ConfigError(f"{p}.max_tokens_per_microbatch: must be >= 1")
-        if not 0.0 <= self.near_miss <= 1.0:
-            raise ConfigError(f"{p}.near_miss: must be in [0, 1], got {self.near_miss}")
-
-
-@dataclass(kw_only=True)
-class SFTConfig(RunConfig):
-    """An SFT run: the shared run sections plus the SFT options."""
-
-    name: str = "sft"
-    """Run name: outputs go to <output_dir>/<name>/."""
-    max_steps: int = 200
-    """Optimizer steps."""
-    sft: SFTOptions = field(default_factory=SFTOptions)
-
-    def validate(self) -> "SFTConfig":
-        check_run_config(self, head_backend_field="sft.head_backend")
-        if self.sft.eval_reward is not None and self.sft.eval_reward not in REWARDS:
-            raise ConfigError(f"sft.eval_reward: unknown reward {self.sft.eval_reward!r}; "
-                              f"choices: {', '.join(REWARDS)}")
-        return self
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -10,26 +10,21 @@ import sys
 
 from fastgrpo.cli import check_sinks, run_cli
 from fastgrpo.config import TrainConfig
+from fastgrpo.rollout import ENGINES
+from fastgrpo.trainer import Trainer
+from fastgrpo.warm import build_warm  # noqa: F401  (importing it registers the warm models, e.g. tiny:countdown)
 
 
 def check_optional_extras(cfg: TrainConfig) -> None:
     """A missing optional extra (wandb, vLLM) is a one-line message with the install command, before anything
     loads."""
-    from fastgrpo.rollout import ENGINES
-
     check_sinks(cfg)
     ENGINES[cfg.rollout.engine].check_available()
 
 
-def _make_trainer(cfg: TrainConfig):
-    from fastgrpo.trainer import Trainer
-
-    return Trainer(cfg)
-
-
 def main(argv: list[str] | None = None) -> int:
     return run_cli(argv, prog="fastgrpo", description="GRPO training (see README.md).", cls=TrainConfig,
-                   make_trainer=_make_trainer, summary_prefixes=("reward/mean", "eval/"), done="done",
+                   make_trainer=Trainer, summary_prefixes=("reward/mean", "eval/"), done="done",
                    preflight=check_optional_extras)
 
 

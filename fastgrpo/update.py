@@ -3,7 +3,8 @@
 Legend: S sequences on this rank, N completion (target) tokens on this rank (flat layout: sequence i's tokens are
 contiguous), n target tokens of one micro-batch, H hidden size, V vocabulary size.
 
-    plan_packed        sequences -> micro-batches; every rank gets the same count (FSDP collectives per forward)
+    plan_step          sequences -> micro-batches (every rank gets the same count: FSDP collectives per forward) and
+                       the step's totals over ranks, in one collective and one host read
     packed_logprobs    no-grad log-probs [N] of the target tokens (old / reference passes)
     optimizer_update   zero grads -> per micro-batch: model.packed_forward(mb, head_loss) -> backward -> clip ->
                        optimizer step; any token loss whose gradient sums over micro-batches (GRPO, SFT, ...)
@@ -14,6 +15,10 @@ contiguous), n target tokens of one micro-batch, H hidden size, V vocabulary siz
 
 The trainer, the golden test and the FSDP test all call these functions, so "1 process equals 2 ranks" and the
 golden figures are checked on the code that trains.
+
+Host syncs: none per micro-batch here (metrics stay on the device, token-level tensors are indexed with device
+index tensors built by ``pack``); per optimizer update, the plan's one read of the totals, the guard's finiteness
+check and the metrics' one read at the end of the step (``benchmarks/count_ops.py`` counts them).
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from fastgrpo.losses import SFT_NORMALIZATIONS, GlobalCounts, token_weights, tru
 from fastgrpo.metrics import StepMetrics
 from fastgrpo.packing import MicroBatch, pack, plan_microbatches, split_to_count
 
-__all__ = ["DEFAULT_MICROBATCH_TOKENS", "GRPOBatch", "HeadLoss", "entropy_mask", "grpo_update", "microbatch_tokens",
-           "optimizer_update", "packed_logprobs", "plan_packed", "sequence_numbers", "sft_update", "sft_weights"]
+__all__ = ["DEFAULT_MICROBATCH_TOKENS", "GRPOBatch", "HeadLoss", "StepPlan", "entropy_mask", "grpo_update",
+           "microbatch_tokens", "optimizer_update", "packed_logprobs", "plan_packed", "plan_step", "sequence_numbers",
+           "sft_update", "sft_weights"]
 
 HeadLoss = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``head_loss(mb, hidden [n, H], lm_head_weight [V, H]) -> (loss, stats)``: loss a scalar whose gradients add up
@@ -56,14 +62,47 @@ def microbatch_tokens(budget: int | None, device: torch.device | str) -> int:
     return DEFAULT_MICROBATCH_TOKENS.get(torch.device(device).type, DEFAULT_MICROBATCH_TOKENS["cuda"])
 
 
-def plan_packed(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_tokens: int, *,
-                device: torch.device | str, pad_token_id: int = 0) -> list[MicroBatch]:
-    """First-fit-decreasing micro-batches under ``max_tokens``, split or padded to the same count on every rank."""
+def _gather_ints(values: list[int], *, device: torch.device | str) -> list[list[int]]:
+    """Every rank's ``values`` as host ints ``[world size][len(values)]``, in one collective and one host read: each
+    rank fills its own row of zeros and an all-reduce sum fills in the others (an all-gather through the one
+    reduction every backend has). Sums and maxima over ranks are then taken on the host, so a step needs one such
+    read instead of one per quantity."""
+    rows = [[0] * len(values) for _ in range(fdist.get_world_size())]
+    rows[fdist.get_rank()] = list(values)
+    return fdist.all_reduce_(torch.tensor(rows, dtype=torch.int64, device=device), "sum").tolist()
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPlan:
+    """This rank's micro-batches and the step's totals over all ranks."""
+
+    mbs: list[MicroBatch]
+    """The micro-batches, as many on every rank."""
+    num_sequences: int
+    """Sequences over all ranks."""
+    num_tokens: int
+    """``counted_tokens`` summed over all ranks."""
+
+
+def plan_step(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_tokens: int, *,
+              device: torch.device | str, pad_token_id: int = 0, counted_tokens: int | None = None) -> StepPlan:
+    """First-fit-decreasing micro-batches under ``max_tokens``, split or padded to the same count on every rank, and
+    the global number of sequences and of ``counted_tokens`` (default: every completion token of this rank), all
+    from one collective."""
     seq_lens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
     bins = plan_microbatches(seq_lens, max_tokens)
+    counted = sum(len(c) for c in completion_ids) if counted_tokens is None else counted_tokens
+    ranks = _gather_ints([len(seq_lens), counted, len(bins)], device=device)  # [world size][3]
     # FSDP: every rank must run the same number of forward/backward calls (collectives per block)
-    bins = split_to_count(bins, seq_lens, fdist.all_reduce_int(len(bins), "max", device=device))
-    return pack(prompt_ids, completion_ids, bins, device=device, pad_token_id=pad_token_id)
+    bins = split_to_count(bins, seq_lens, max(r[2] for r in ranks))
+    return StepPlan(mbs=pack(prompt_ids, completion_ids, bins, device=device, pad_token_id=pad_token_id),
+                    num_sequences=sum(r[0] for r in ranks), num_tokens=sum(r[1] for r in ranks))
+
+
+def plan_packed(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_tokens: int, *,
+                device: torch.device | str, pad_token_id: int = 0) -> list[MicroBatch]:
+    """The micro-batches of :func:`plan_step` alone."""
+    return plan_step(prompt_ids, completion_ids, max_tokens, device=device, pad_token_id=pad_token_id).mbs
 
 
 @torch.no_grad()
@@ -102,10 +141,9 @@ def optimizer_update(model: torch.nn.Module, mbs: list[MicroBatch], head_loss: H
     for mb in mbs:
         loss, stats = model.packed_forward(mb, partial(head_loss, mb))
         loss.backward()
-        n = float(mb.targets.numel())
-        metrics.total("loss", loss / loss_divisor)
-        for key, value in stats.items():
-            metrics.add(key, value, n)
+        loss = loss.detach()
+        metrics.total("loss", loss if loss_divisor == 1 else loss / loss_divisor)
+        metrics.add_many(stats, float(mb.num_completion_tokens))  # one stack for all the head's statistics
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else 1e30)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
         grad_norm = grad_norm.full_tensor()
@@ -144,7 +182,8 @@ def sequence_numbers(mb: MicroBatch, lengths: torch.Tensor) -> torch.Tensor:
     """[n] the sequence of each target row of ``mb``, numbered 0..K-1 in row order (host tensor)."""
     if not mb.seq_indices:
         return torch.zeros(0, dtype=torch.long)
-    return torch.repeat_interleave(torch.arange(len(mb.seq_indices)), lengths[mb.seq_indices])
+    return torch.repeat_interleave(torch.arange(len(mb.seq_indices)), lengths[mb.seq_indices],
+                                   output_size=mb.num_completion_tokens)
 
 
 def entropy_mask(entropy: torch.Tensor, counted: torch.Tensor, quantile: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,25 +207,30 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
     does not depend on the micro-batch budget or the world size. Old log-probs are computed once, before the first
     update, when mu > 1 or for the importance-sampling correction; reference log-probs when ``ref_model`` is given.
     """
-    lengths = torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.long)  # [S]
-    n_tok = int(lengths.sum())  # N on this rank
-    keep = torch.ones(len(lengths), dtype=torch.bool) if batch.sequence_mask is None else batch.sequence_mask.cpu()
-    counts = GlobalCounts(num_sequences=fdist.all_reduce_int(len(lengths), "sum", device=device),
-                          # masked sequences leave the token normaliser (dapo), as in TRL
-                          num_tokens=fdist.all_reduce_int(int((lengths * keep).sum()), "sum", device=device),
+    lens = [len(c) for c in batch.completion_ids]  # [S] host ints
+    lengths = torch.tensor(lens, dtype=torch.long)  # [S]
+    n_tok = sum(lens)  # N on this rank
+    keep = None if batch.sequence_mask is None else batch.sequence_mask.cpu()  # [S] bool
+    # masked sequences leave the token normaliser (dapo), as in TRL
+    counted = n_tok if keep is None else sum(n for n, k in zip(lens, keep.tolist()) if k)
+    plan = plan_step(batch.prompt_ids, batch.completion_ids,
+                     microbatch_tokens(grpo.max_tokens_per_microbatch, device), device=device,
+                     pad_token_id=pad_token_id, counted_tokens=counted)
+    mbs = plan.mbs
+    counts = GlobalCounts(num_sequences=plan.num_sequences, num_tokens=plan.num_tokens,
                           max_completion_length=rollout.max_completion_length)
-    weights = token_weights(grpo.loss_type, lengths, counts)  # [N]
-    weights = (weights * torch.repeat_interleave(keep.float(), lengths)).to(device)  # [N]
+    weights = token_weights(grpo.loss_type, lengths, counts, num_tokens=n_tok)  # [N]
+    if keep is not None:
+        weights = weights * torch.repeat_interleave(keep.float(), lengths, output_size=n_tok)  # [N]
+    weights = weights.to(device)
     adv_seq = batch.advantages.float()  # [S]
     if batch.sil_mask is not None:  # self-imitation: at ratio 1 the gradient of -(A + c) r is that of -(A + c) logp
         adv_seq = adv_seq + grpo.sil_coef * batch.sil_mask.float()
-    adv = torch.repeat_interleave(adv_seq, lengths).to(device)  # [N]
-    mbs = plan_packed(batch.prompt_ids, batch.completion_ids, microbatch_tokens(grpo.max_tokens_per_microbatch, device),
-                      device=device, pad_token_id=pad_token_id)
+    adv = torch.repeat_interleave(adv_seq, lengths, output_size=n_tok).to(device)  # [N]
     # One kernel path for the loss and the old / reference log-probs: exp(logp - old) is exactly 1 while the policy
     # has not moved. Sequence level (GSPO) needs a recompute path: 'auto' then picks triton on CUDA.
     sequence_level = grpo.importance_sampling_level == "sequence"
-    backend = resolve_backend(grpo.head_backend, device, needs_grad=not sequence_level)
+    backend = resolve_backend(grpo.head_backend, device, needs_grad=True, sequence_level=sequence_level)
     eps_low, eps_high = ((grpo.sequence_epsilon_low, grpo.sequence_epsilon_high) if sequence_level
                          else (grpo.epsilon_low, grpo.epsilon_high))
     seq_numbers = {id(mb): sequence_numbers(mb, lengths).to(device) for mb in mbs} if sequence_level else {}
@@ -230,7 +274,7 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
         optimizer_update(model, mbs, head_loss, optimizer=optimizer, scheduler=scheduler,
                          max_grad_norm=max_grad_norm, metrics=metrics, loss_divisor=grpo.num_iterations, guard=guard)
     metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_tokens for mb in mbs))))
-    if batch.sequence_mask is not None:
+    if keep is not None:
         metrics.moments((~keep).float(), "policy/masked_seq_frac")
     if batch.sil_mask is not None:
         metrics.moments(batch.sil_mask.float(), "policy/sil_frac")
@@ -239,11 +283,17 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
 
 def sft_weights(completion_ids: list[list[int]], normalization: str, *, device: torch.device | str) -> torch.Tensor:
     """Per-token weights [N] of the SFT loss for this rank's completions, normalised over the global batch."""
-    lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.long)  # [S]
-    counts = GlobalCounts(num_sequences=fdist.all_reduce_int(len(lengths), "sum", device=device),
-                          num_tokens=fdist.all_reduce_int(int(lengths.sum()), "sum", device=device),
-                          max_completion_length=int(lengths.max()))
-    return token_weights(normalization, lengths, counts, SFT_NORMALIZATIONS).to(device)  # [N]
+    ranks = _gather_ints([len(completion_ids), sum(len(c) for c in completion_ids)], device=device)  # [world size][2]
+    return _sft_token_weights(completion_ids, normalization, num_sequences=sum(r[0] for r in ranks),
+                              num_tokens=sum(r[1] for r in ranks), device=device)
+
+
+def _sft_token_weights(completion_ids: list[list[int]], normalization: str, *, num_sequences: int, num_tokens: int,
+                       device: torch.device | str) -> torch.Tensor:
+    lens = [len(c) for c in completion_ids]  # [S]
+    counts = GlobalCounts(num_sequences=num_sequences, num_tokens=num_tokens, max_completion_length=max(lens))
+    return token_weights(normalization, torch.tensor(lens, dtype=torch.long), counts, SFT_NORMALIZATIONS,
+                         num_tokens=sum(lens)).to(device)  # [N]
 
 
 def sft_update(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
@@ -254,8 +304,10 @@ def sft_update(model: torch.nn.Module, prompt_ids: list[list[int]], completion_i
     """One optimizer update of supervised fine-tuning on this rank's (prompt, completion) pairs; returns the
     micro-batches it ran. The loss is ``sum_t w_t * -log p(y_t)`` over completion tokens only, the weights from
     :func:`sft_weights`; the log-probs come from the fused head (``-linear_logprobs``: no [N, V] tensor)."""
-    weights = sft_weights(completion_ids, normalization, device=device)  # [N]
-    mbs = plan_packed(prompt_ids, completion_ids, max_tokens_per_microbatch, device=device, pad_token_id=pad_token_id)
+    plan = plan_step(prompt_ids, completion_ids, max_tokens_per_microbatch, device=device, pad_token_id=pad_token_id)
+    mbs = plan.mbs
+    weights = _sft_token_weights(completion_ids, normalization, num_sequences=plan.num_sequences,
+                                 num_tokens=plan.num_tokens, device=device)  # [N], as sft_weights
     backend = resolve_backend(head_backend, device, needs_grad=True)
 
     def head_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor):  # hidden [n, H], weight [V, H]

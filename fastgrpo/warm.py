@@ -1,37 +1,25 @@
-"""Warm-started tiny models: the SFT recipe run once on first use, cached like the tiny model.
+"""Warm-started tiny models: an SFT recipe run once on first use, then cached like the tiny model.
 
-``model.name_or_path: tiny:countdown`` names the embedded Countdown model: the random ``tiny:medium`` model (~3.9M
-parameters) after a short SFT (:mod:`fastgrpo.sft`) on Countdown solutions written by the exhaustive solver, as bare
-equations (``sft.trace=answer``: an empty think block, then ``<answer>9*(9-8)</answer>``), each showing one of the
-problem's solutions drawn at random (``sft.solution=random``). It is what ``make demo`` starts GRPO from: it has
-learnt the answer format and the shape of a solution, solves about a tenth of the held-out problems greedily (a
-third among 8 samples), and half of its greedy answers still use numbers other than the given ones, which the
-reward teaches GRPO to fix within minutes on a laptop CPU. The choices, each measured against the others:
-- bare equations rather than intermediate steps: with steps the model wrote arithmetic it could not do (a third of
-  its steps were wrong, and it "computed" the target as the last step whatever the numbers gave), and every one of
-  those tokens took a share of the GRPO gradient; the bare equation is the choice GRPO has to improve, at half the
-  tokens per sample;
-- a random solution rather than the solver's first: the warm model then spreads its samples over several right
-  answers; from the first-solution warm start GRPO gained 8-10 points in 150-250 steps;
-- ``tiny:medium`` rather than the 1M-parameter ``tiny:small``: GRPO from the small model plateaued near 30% greedy;
-  from the medium one it goes on rising. A shorter SFT (200 steps) starts lower but ends lower too (+7 and +14
-  points, one run each), no better than 300 steps;
-- ``seed=1`` (the base model's initialisation and the SFT's order): the SFT's outcome varies a lot with its seed.
-  The seed-0 build solves 24% greedily with its samples spread thin (12% sampled accuracy), and GRPO moved it by
-  about 1 point; seeds 2 and 3 gained 11 and 6, the seed-1 build 19 (3 GRPO seeds). GRPO ends near 30% from all
-  of them, so the gain is mostly how low the start is. The build is therefore pinned to 2 torch threads
-  (``_BUILD_THREADS``), so that it is the same model on every machine with the same CPU kernels.
-(benchmarks/RESULTS.md, "Countdown learning on the CPU").
+``model.name_or_path: tiny:countdown`` names the embedded Countdown model that ``make demo`` starts GRPO from: the
+random ``tiny:medium`` model (~3.9M parameters, ``seed=1``) after 300 SFT steps (:mod:`fastgrpo.sft`) on Countdown
+problems of 3 numbers from 1..9, each shown with one of its solutions, drawn at random from the exhaustive solver's,
+as a bare equation (``sft.trace=answer``: an empty think block, then ``<answer>9*(9-8)</answer>``). It has learnt the
+answer format and solves some held-out problems; GRPO then improves it within minutes on a CPU.
 
-A recipe is a list of ``fastgrpo.sft`` overrides (registry ``WARM_RECIPES``). The folder is
-``<root>/tiny-<name>-<hash>``, the hash taken over the recipe's *resolved* config (every default included) and the
-tiny model's recipe version, so a changed recipe or default builds a new folder instead of reusing a stale one.
+A recipe is a list of ``fastgrpo.sft`` overrides (registry ``WARM_RECIPES``). Its folder is
+``<root>/tiny-<name>-<hash>``, the hash taken over the recipe's *resolved* config (every default included), the tiny
+model's recipe version and ``_WARM_VERSION``, so a changed recipe or default builds a new folder instead of reusing
+a stale one.
 
-The build runs ``python -m fastgrpo.sft`` in a child process: on the CPU with two torch threads (the same weights on
-every machine with the same CPU kernels, and no GPU memory taken from a run that is starting), outside any torchrun
-process group of the caller, with its progress bar on the caller's terminal. Concurrent callers (torchrun ranks,
-test workers) take a file lock: the first builds, the others wait and then find the folder. The result is renamed
-into place, so no caller ever sees a half-written folder.
+The build runs ``python -m fastgrpo.sft`` in a child process: on the CPU with ``_BUILD_THREADS`` (2) torch threads,
+since the CPU kernels' rounding depends on the thread count and the SFT amplifies it into another model (pinned, the
+build gives the same weights on every machine with the same CPU kernels, and takes no GPU memory from a run that is
+starting); outside any torchrun process group of the caller; with its progress bar on the caller's terminal.
+Concurrent callers (torchrun ranks, test workers) take a file lock: the first builds, the others wait and then find
+the folder. The result is renamed into place, so no caller ever sees a half-written folder.
+
+Why this recipe (bare equations, a random solution, ``tiny:medium``, 300 steps, seed 1, the thread pin), with the
+measurements: benchmarks/RESULTS.md, "Learning: the CPU demo".
 """
 
 from __future__ import annotations
@@ -39,13 +27,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import fcntl
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from fastgrpo.tiny import tiny_cache_root
+from fastgrpo.config import SFTConfig, load_config, to_dict
+from fastgrpo.model import register_model_source
+from fastgrpo.tiny import _RECIPE_VERSION, tiny_cache_root
 
 __all__ = ["WARM_RECIPES", "build_warm", "recipe_config", "warm_folder"]
 
@@ -76,9 +67,6 @@ WARM_RECIPES: dict[str, list[str]] = {
 
 def recipe_config(name: str):
     """The resolved SFTConfig of recipe ``name`` (ValueError for an unknown name)."""
-    from fastgrpo.config import load_config
-    from fastgrpo.sft import SFTConfig
-
     if name not in WARM_RECIPES:
         raise ValueError(f"model.name_or_path: unknown warm tiny model 'tiny:{name}' (known: "
                          f"{', '.join('tiny:' + n for n in WARM_RECIPES)})")
@@ -87,9 +75,6 @@ def recipe_config(name: str):
 
 def warm_folder(name: str, cache_dir: str | Path | None = None) -> Path:
     """Where recipe ``name`` is cached: the hash covers the resolved config and the tiny model's version."""
-    from fastgrpo.config import to_dict
-    from fastgrpo.tiny import _RECIPE_VERSION
-
     resolved = to_dict(recipe_config(name))
     for key in ("name", "output_dir"):  # where the build runs does not change what it builds
         resolved.pop(key)
@@ -109,8 +94,6 @@ def build_warm(name: str, *, cache_dir: str | Path | None = None, overrides: lis
     ``overrides`` are appended to the recipe for the build only; they do not change the cache key, so they are
     for tests that need a fast, small stand-in (e.g. ``max_steps=2``) in a private ``cache_dir``.
     """
-    import fcntl
-
     final = warm_folder(name, cache_dir)
     if (final / "config.json").is_file():
         return final
@@ -139,3 +122,8 @@ def build_warm(name: str, *, cache_dir: str | Path | None = None, overrides: lis
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return final
+
+
+# `model.name_or_path: tiny:<recipe>` loads the warm model (whatever the run's seed: the recipe fixes its own).
+for _name in WARM_RECIPES:
+    register_model_source(f"tiny:{_name}", lambda seed, name=_name: build_warm(name))

@@ -9,19 +9,25 @@ Imports only torch (and Triton when available), so other trainers can vendor thi
                      temperature=1.0, sequence_index=None) -> (loss, stats)
         (sequence_index [N]: GSPO's sequence-level ratio, on the torch and triton paths)
 
-Backends (``backend="auto"`` picks; ``resolve_backend(backend, device, needs_grad)`` says which one a call runs):
-  ``linear_grpo_loss`` on CUDA with a gradient to take: ``"cublas"`` (``_gradfwd.py``), the gradient formed in
-      forward from cuBLAS logits chunk by chunk, three large products in all;
-  other CUDA calls: ``"triton"`` (``_triton.py``), online log-sum-exp over vocabulary tiles, logits recomputed in
-      backward;
-  other devices: ``"torch"`` (``_chunked.py``), chunked plain torch with the same memory bound; its loss also forms
-      the gradient in forward (three products).
-``reference`` holds the plain-torch oracles.
+Layers, each knowing only the one below:
+  ``objective.py``  ``TokenObjective``: the per-token GRPO loss as a function of the log-prob (the loss, its
+      closed-form gradient, which rows can move), built once per call by ``linear_grpo_loss`` from its settings;
+  ``grpo_loss.py`` / ``logprobs.py``  the public ops and their ``autograd.Function``s;
+  ``backends.py``  which backend runs a call and what each can run (``resolve_backend``, ``check_backend``);
+  the backends, which take the objective as one argument and never see its settings:
+    ``"cublas"`` (``_gradfwd.py``) on CUDA with a gradient to take: the gradient formed in forward from cuBLAS
+        logits chunk by chunk, three large products in all; token-level ratio only;
+    ``"triton"`` (``_triton.py``) other CUDA calls: online log-sum-exp over vocabulary tiles, logits recomputed in
+        backward;
+    ``"torch"`` (``_chunked.py``) other devices: chunked plain torch with the same memory bound; its loss also
+        forms the gradient in forward (three products).
+``reference`` holds the plain-torch oracles, written independently of all of the above.
 """
 
-from .backends import BACKENDS, resolve_backend
+from .backends import BACKENDS, check_backend, resolve_backend
 from .grpo_loss import linear_grpo_loss
 from .logprobs import linear_logprobs
+from .objective import TokenObjective
 from .reference import reference_linear_grpo_loss, reference_linear_logprobs
 
 __all__ = [
@@ -29,6 +35,8 @@ __all__ = [
     "linear_grpo_loss",
     "reference_linear_logprobs",
     "reference_linear_grpo_loss",
+    "TokenObjective",
     "BACKENDS",
+    "check_backend",
     "resolve_backend",
 ]

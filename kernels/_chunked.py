@@ -15,11 +15,12 @@ Two uses share one chunk step (``_chunk_logprobs``: product 1, then the softmax'
 A loss-pass chunk, everything in one ``[C, V]`` float32 buffer ``x``, in place:
   1. ``x = (h * log2(e) / T) @ W.T``                   product 1 (base-2 logits: exp2 is half the cost of exp)
   2. ``x <- exp2(x - max)``; ``s = sum``; lse, logp    ``p = x / s``
-  3. ``x <- x * (-g / T / s)``, ``x[target] += g / T``  ``g = token_weight * dl/dlogp`` (``_token_grad``)
+  3. ``x <- x * (-g / T / s)``, ``x[target] += g / T``  ``g = token_weight * dl/dlogp`` (``objective.logp_grad``)
   4. ``grad_hidden[rows] = x @ W``                       product 2
   5. ``grad_weight += x.T @ h``                          product 3, into the gradient itself
 Rows whose gradient is zero whatever their logits never enter products 2 and 3: token weight 0 (no product at
-all) and, when beta == 0, advantage 0 (every token of a group with equal rewards: forward only, for its logp).
+all) and rows outside ``objective.moving`` (with beta == 0, advantage 0: every token of a group with equal
+rewards; forward only, for its logp).
 A gradient autograd does not need is never formed, on either use: a frozen lm_head (LoRA) skips product 3 and the
 ``[V, H]`` gradient buffer, a frozen trunk skips product 2.
 Row selection uses ``nonzero()``, a host sync: free on CPU; on CUDA this backend is only the fallback (the
@@ -49,8 +50,6 @@ import functools
 import os
 
 import torch
-
-from ._token_grad import grpo_logp_grad
 
 _MAX_BUDGET_BYTES = 512 << 20
 _MIN_ROWS = 256
@@ -209,14 +208,13 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
 # ------------------------------------------------------------------------------ linear_grpo_loss (grad in fwd)
 
 
-def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprobs, ref_logprobs, epsilon_low,
-              epsilon_high, delta, beta, inv_temp, need_grad_hidden, need_grad_weight, chunk_size=None,
-              with_entropy=True):
+def loss_pass(hidden, weight, targets, token_weights, objective, *, inv_temp, need_grad_hidden, need_grad_weight,
+              chunk_size=None, with_entropy=True):
     """Forward of ``sum_n token_weights[n] * l_n`` with its gradients (three products; see the module docstring).
 
-    Same contract as ``_gradfwd.loss_pass``: returns ``(logp, entropy, grad_hidden, grad_weight)``, ``[N]``
-    float32 each (0 on rows with token weight 0; entropy 0 unless ``with_entropy``), then the gradients in the
-    inputs' dtypes (None where not needed).
+    Same contract as ``_gradfwd.loss_pass``: ``objective`` a row-local ``TokenObjective`` (``l_n``); returns
+    ``(logp, entropy, grad_hidden, grad_weight)``, ``[N]`` float32 each (0 on rows with token weight 0; entropy 0
+    unless ``with_entropy``), then the gradients in the inputs' dtypes (None where not needed).
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
@@ -226,23 +224,20 @@ def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprob
     logp, entropy = torch.zeros(n, **f32), torch.zeros(n, **f32)  # [N]
     grad_hidden = torch.zeros(hidden.shape, **f32) if need_grad_hidden else None  # [N, H]
     grad_w32 = None  # [V, H], created by the first product 3
-    token_kw = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta)
     counted = token_weights != 0  # [N]
-    moving = counted if beta != 0.0 else counted & (advantages != 0)  # rows with a possibly nonzero gradient
+    moving = objective.moving(counted)  # rows with a possibly nonzero gradient
     grad_rows = _select(moving, n, dev) if need_grad else torch.zeros(0, dtype=torch.long, device=dev)
     fwd_rows = _select(counted & ~moving if need_grad else counted, n, dev)
-    # g depends on the logits only through the ratio (old log-probs given) and the k3 term (beta != 0); otherwise
-    # it is known before any product, and one call serves all rows instead of one per chunk.
-    g_known = old_logprobs is None and beta == 0.0
+    # A g known before any product is formed by one call for all rows instead of one per chunk.
+    g_known = not objective.grad_depends_on_logp
     for rows, grad in ((grad_rows, True), (fwd_rows, False)):
         buf, chunks = _chunks(rows, vocab, chunk_size)
         if not chunks:
             continue
         tgt_k = targets.index_select(0, rows).long()[:, None]  # [K, 1], in row order, sliced per chunk
         if grad:
-            per_row = [None if t is None else t.index_select(0, rows)  # [K] each
-                       for t in (advantages, token_weights, old_logprobs, ref_logprobs)]
-            g_k = _logp_grad(torch.zeros(rows.numel(), **f32), per_row, token_kw) if g_known else None
+            obj_k, w_k = objective.rows(rows), token_weights.index_select(0, rows)  # [K] vectors
+            g_k = obj_k.logp_grad(torch.zeros(rows.numel(), **f32), w_k) if g_known else None
         start = 0
         for idx in chunks:  # idx: [c]
             c = idx.numel()
@@ -255,8 +250,7 @@ def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprob
                 entropy[idx] = _entropy(x, s)
             if not grad:
                 continue
-            g_c = g_k[sl] if g_known else _logp_grad(logp_c, [None if t is None else t[sl] for t in per_row],
-                                                     token_kw)
+            g_c = g_k[sl] if g_known else obj_k.rows(sl).logp_grad(logp_c, w_k[sl])
             g_c = g_c[:, None] * inv_temp  # [c, 1]
             x.mul_(-g_c / s).scatter_add_(1, tgt, g_c)  # dX = g / T * (onehot - p)
             if need_grad_hidden:
@@ -271,11 +265,6 @@ def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprob
         grad_w32 = torch.zeros(weight.shape, **f32)
     return (logp, entropy, None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_w32 is None else grad_w32.to(weight.dtype))
-
-
-def _logp_grad(logp, per_row, token_kw):
-    adv, w, old, ref = per_row
-    return grpo_logp_grad(logp, adv, w, old_logprobs=old, ref_logprobs=ref, **token_kw)
 
 
 def scale_(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ against four for the recompute path.
 Per chunk of C rows, with one ``[C, V]`` buffer in the inputs' dtype (at most ``_BUFFER_BYTES``):
   1. ``x = hidden[rows] @ weight.T``                    cuBLAS, written into the buffer          (product 1)
   2. ``_rowstats_kernel``: lse, logp, entropy           Triton, reads the buffer once
-  3. ``g = token_weight * dl/dlogp``                    ``[C]`` vector ops, ``grpo_logp_grad`` (closed form)
+  3. ``g = token_weight * dl/dlogp``                    ``[C]`` vector ops, ``objective.logp_grad`` (closed form)
   4. ``_softmax_grad_kernel``: ``x <- g (onehot - p) / T``  Triton, in place
   5. ``grad_hidden[rows] = x @ weight``                 cuBLAS                                   (product 2)
   6. ``grad_weight += x.T @ hidden[rows]``              cuBLAS, into the gradient itself          (product 3)
@@ -55,7 +55,6 @@ import triton
 import triton.language as tl
 
 from . import _triton
-from ._token_grad import grpo_logp_grad
 
 INTERPRET = _triton.INTERPRET
 
@@ -187,12 +186,12 @@ def _accumulate_grad_weight(grad_weight, dx, h, *, first: bool, acc32=None) -> N
         acc32.add_(grad_weight)
 
 
-def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprobs, ref_logprobs, epsilon_low,
-              epsilon_high, delta, beta, inv_temp, need_grad_hidden, need_grad_weight, chunk_size=None,
-              with_entropy=True):
+def loss_pass(hidden, weight, targets, token_weights, objective, *, inv_temp, need_grad_hidden, need_grad_weight,
+              chunk_size=None, with_entropy=True):
     """Forward of the loss with its gradients; no host sync. (The entropy comes with the row statistics at no
     cost, so ``with_entropy`` is accepted for ``_chunked.loss_pass``'s signature and ignored.)
 
+    ``objective``: a row-local ``TokenObjective`` (``l_n``), or None when no gradient is asked (``logprobs_pass``).
     Returns ``(logp, entropy, grad_hidden, grad_weight)``: ``[N]`` float32 each (0 on rows with token weight 0),
     then the gradients of ``sum_n token_weights[n] * l_n`` (in the inputs' dtypes; None where not needed).
 
@@ -239,12 +238,7 @@ def loss_pass(hidden, weight, targets, advantages, token_weights, *, old_logprob
             entropy.index_copy_(0, idx, ent_c)
             if not need_grad:
                 continue
-            g_c = grpo_logp_grad(
-                logp_c, advantages.index_select(0, idx), token_weights.index_select(0, idx),
-                old_logprobs=None if old_logprobs is None else old_logprobs.index_select(0, idx),
-                ref_logprobs=None if ref_logprobs is None else ref_logprobs.index_select(0, idx),
-                epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
-            ).contiguous()
+            g_c = objective.rows(idx).logp_grad(logp_c, token_weights.index_select(0, idx)).contiguous()  # [c]
             _softmax_grad_kernel[(c, triton.cdiv(vocab, block_v))](x, tgt, lse_c, g_c, vocab, x.stride(0), inv_temp,
                                                                     BLOCK_V=block_v, num_warps=_ROW_WARPS)
             if need_grad_hidden:
@@ -263,9 +257,7 @@ def logprobs_pass(hidden, weight, targets, *, inv_temp, chunk_size=None):
     For old / reference log-probs that must agree with what ``loss_pass`` computes for the same rows: a ratio
     ``exp(logp - old)`` of two different numerics is not exactly 1 even when the policy has not moved.
     """
-    n = hidden.shape[0]
-    ones = torch.ones(n, dtype=torch.float32, device=hidden.device)
-    logp, entropy, _, _ = loss_pass(hidden, weight, targets, ones, ones, old_logprobs=None, ref_logprobs=None,
-                                    epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, inv_temp=inv_temp,
+    every_row = torch.ones(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N] token weights
+    logp, entropy, _, _ = loss_pass(hidden, weight, targets, every_row, None, inv_temp=inv_temp,
                                     need_grad_hidden=False, need_grad_weight=False, chunk_size=chunk_size)
     return logp, entropy

@@ -1,4 +1,5 @@
 """Triton backend of the fused linear -> log-prob op: kernels, then launchers on plain tensors.
+(Past ~450 lines on purpose: each kernel's argument list and grid must match its launcher's, so both stay here.)
 
 Shapes: N rows (tokens), H hidden, V vocabulary, S vocabulary splits, C rows per backward chunk.
 Notation: ``x = hidden @ weight.T`` (raw logits), ``z = x / T`` (T = temperature), ``p = softmax(z)``.

@@ -2,82 +2,41 @@
 
 Shapes: N rows (tokens), H hidden size, V vocabulary size.
 
-Per token (TRL's objective, so runs are comparable):
-    r      = exp(logp - old)                      (old = logp.detach() when old_logprobs is None: r == 1)
-             or, with ``sequence_index`` (GSPO, sequence-level importance sampling), the sequence's ratio
-             exp(mean over its counted tokens of (logp - old)), the same for each of its tokens
-    r_u    = r, or min(r, delta) when delta is set (two-sided clipping)
-    l_pg   = -min(r_u * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
-    k3     = exp(ref - logp) - (ref - logp) - 1    (only when beta != 0)
-    l      = l_pg + beta * k3
-
-Backends (``backend=``, resolved by ``backends.resolve_backend``):
-  ``"cublas"``  CUDA default when a gradient is needed (``_gradfwd.py``): the gradient is formed in forward, chunk
-               by chunk, from cuBLAS logits; three large products in all, the floor. Zero-weight rows skip the
-               softmax work but not the products.
+Two layers meet here. The objective, ``l_n`` as a function of the token's log-prob, is ``objective.TokenObjective``
+(the maths is written out there), built once from this function's arguments, which also validates them. The
+backends (``backend=``, resolved by ``backends.resolve_backend``) only turn log-probs and their gradient into
+products with the lm_head; they take the objective as one argument and ask it for what they need:
+  ``"cublas"``  CUDA default when a gradient is needed (``_gradfwd.loss_pass``): the gradient is formed in forward,
+               chunk by chunk, from cuBLAS logits and ``TokenObjective.logp_grad``; three large products in all,
+               the floor. Zero-weight rows skip the softmax work but not the products.
   ``"triton"``  the fused op of ``logprobs.py`` (online log-sum-exp in forward, logits recomputed in backward: four
                products, no host sync, no ``[C, V]`` buffer in forward); CUDA default without a gradient (old /
-               reference log-probs, evaluation).
+               reference log-probs, evaluation). Autograd differentiates ``TokenObjective.token_loss``, a handful
+               of ``[N]`` vector ops, and hands ``g_logp[n] = token_weights[n] * dl_n/dlogp_n`` to the fused op.
   ``"torch"``   the default off CUDA (``_chunked.loss_pass``): the same gradient-in-forward design in plain torch,
                float32, chunk sizes from a memory budget; three products.
-For ``"triton"`` the token loss above is a handful of ``[N]`` vector ops whose gradient autograd hands to the
-fused op as ``g_logp[n] = token_weights[n] * dl_n/dlogp_n``; ``"cublas"`` and ``"torch"`` use the closed form of
-the same derivative (``_token_grad.grpo_logp_grad``, tested against autograd).
 
-Sequence level (GSPO): the sequence means are segment sums over ``[N]`` vectors (``index_add`` by sequence), so
-the loss still needs only per-token log-probs and the recompute backends run it unchanged. The gradient-in-forward
-designs form each row's gradient before a sequence's other rows are known: ``"cublas"`` refuses
-``sequence_index`` (``"auto"`` then picks ``"triton"`` on CUDA, and the trainer computes old / reference log-probs
-on that same path), and ``"torch"`` runs it as a recompute path (the chunked log-prob op, four products).
+Sequence level (GSPO): the sequence means are segment sums over ``[N]`` vectors, so the loss still needs only
+per-token log-probs and the recompute backends run it unchanged. A gradient-in-forward pass forms each row's
+gradient before a sequence's other rows are known (``TokenObjective.row_local`` is False): ``"cublas"`` refuses it
+(``backends.check_backend``; ``"auto"`` then picks ``"triton"`` on CUDA), and ``"torch"`` runs it as a recompute
+path (the chunked log-prob op, four products).
 
 Zero-weight tokens: every backend skips their softmax work in forward (``token_weights != 0``; the Triton paths
 select rows on the device, without a host sync); their ``stats["logprobs"]`` entries are 0. ``"triton"`` also skips,
-in backward, every row whose ``g_logp`` is 0, and ``"torch"`` every row with advantage 0 when beta == 0 (whole
-groups with equal rewards, common in GRPO), whose gradient is 0 whatever the logits.
+in backward, every row whose ``g_logp`` is 0, and ``"torch"`` every row outside ``TokenObjective.moving`` (with
+beta == 0, advantage 0: whole groups with equal rewards, common in GRPO), whose gradient is 0 whatever the logits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _chunked
-from .backends import cublas_module, resolve_backend
+from .backends import grad_in_forward_module, resolve_backend
 from .logprobs import check_inputs, fused_logprobs
+from .objective import TokenObjective
 
-__all__ = ["linear_grpo_loss", "grpo_token_loss", "sequence_mean"]
-
-
-def sequence_mean(values, sequence_index, counted):
-    """Each token's sequence mean of ``values [N]`` over the sequence's counted tokens, ``[N]`` (differentiable).
-
-    ``sequence_index [N]`` numbers the sequences 0..K-1 (K <= N); segment sums by ``index_add``, no host sync."""
-    n = values.shape[0]
-    c = counted.to(values.dtype)
-    sums = values.new_zeros(n).index_add(0, sequence_index, values * c)  # [N], entries >= K stay 0
-    count = values.new_zeros(n).index_add(0, sequence_index, c)  # [N]
-    return (sums / count.clamp(min=1))[sequence_index]  # [N]
-
-
-def grpo_token_loss(logp, advantages, *, old_logprobs, ref_logprobs, epsilon_low, epsilon_high, delta, beta,
-                    sequence_index=None, counted=None):
-    """Per-token loss ``l [N]`` and the tensors the stats need, from ``logp [N]`` (float32, differentiable).
-
-    ``sequence_index [N]`` (with ``counted [N]`` bool): the ratio is the sequence-level one (GSPO)."""
-    old = logp.detach() if old_logprobs is None else old_logprobs.float()  # [N]
-    adv = advantages.float()  # [N]
-    log_ratio = logp - old  # [N]
-    if sequence_index is not None:
-        log_ratio = sequence_mean(log_ratio, sequence_index, counted)
-    ratio = torch.exp(log_ratio)  # [N]
-    ratio_unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
-    ratio_clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    loss = -torch.minimum(ratio_unclipped * adv, ratio_clipped * adv)  # [N]
-    kl = None
-    if beta != 0.0:
-        diff = ref_logprobs.float() - logp  # [N]
-        kl = torch.exp(diff) - diff - 1.0  # k3, >= 0
-        loss = loss + beta * kl
-    return loss, ratio.detach(), kl
+__all__ = ["linear_grpo_loss"]
 
 
 def linear_grpo_loss(
@@ -125,76 +84,48 @@ def linear_grpo_loss(
         nonzero weight, the fraction with ``r < 1 - eps_low and A < 0``, resp. ``r > 1 + eps_high and A > 0``),
         ``kl_mean`` (mean k3 over those tokens; 0 when beta == 0) and ``entropy [N]`` when asked.
     """
-    if beta != 0.0 and ref_logprobs is None:
-        raise ValueError("beta != 0 needs ref_logprobs")
-    if epsilon_low < 0 or epsilon_high < 0:
-        raise ValueError(f"epsilon_low / epsilon_high must be >= 0, got {epsilon_low}, {epsilon_high}")
-    if delta is not None and delta <= 0:
-        raise ValueError(f"delta must be > 0 (TRL recommends > 1 + epsilon_high), got {delta}")
-    for name, vec in (("advantages", advantages), ("token_weights", token_weights),
-                      ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
-                      ("sequence_index", sequence_index)):
-        if vec is not None and vec.shape != hidden.shape[:1]:
-            raise ValueError(f"{name} must be [N]={hidden.shape[0]}, got {tuple(vec.shape)}")
+    objective = TokenObjective(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                               epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
+                               sequence_index=sequence_index)
+    objective.check_rows(hidden.shape[0], token_weights)
 
     counted = token_weights != 0  # [N]
-    token_kw = dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, epsilon_low=epsilon_low,
-                    epsilon_high=epsilon_high, delta=delta, beta=beta)
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    # sequence level: the gradient-in-forward path cannot form a row's gradient before its sequence is complete
-    name = resolve_backend(backend, hidden.device, needs_grad=wants_grad and sequence_index is None)
-    if name == "cublas" and sequence_index is not None:
-        raise ValueError("linear_grpo_loss(backend='cublas') has no sequence-level importance sampling (it forms "
-                         "each row's gradient before its sequence's other rows are known): use 'triton' or 'auto'")
-    if name in ("cublas", "torch") and sequence_index is None:  # the gradient is formed in forward
+    name = resolve_backend(backend, hidden.device, needs_grad=wants_grad, sequence_level=not objective.row_local)
+    impl = grad_in_forward_module(name, hidden.device) if objective.row_local else None
+    if impl is not None:
         check_inputs(hidden, weight, targets, temperature)
         grad_on = torch.is_grad_enabled()
         needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
-        impl = _chunked if name == "torch" else cublas_module(hidden.device)
         loss, logp, entropy, ratio, kl = _GradInForwardLoss.apply(
-            hidden, weight, targets, advantages, token_weights, 1.0 / float(temperature), chunk_size, token_kw, needs,
-            impl, return_entropy)
+            hidden, weight, targets, token_weights, objective, 1.0 / float(temperature), chunk_size, needs, impl,
+            return_entropy)
     else:
         logp, entropy = fused_logprobs(hidden, weight, targets, active=counted, temperature=temperature,
                                        with_entropy=return_entropy, backend=name, chunk_size=chunk_size)
-        per_token, ratio, kl = grpo_token_loss(_with_old(logp, counted, old_logprobs), advantages, **token_kw,
-                                               sequence_index=sequence_index, counted=counted)
+        per_token, ratio, kl = objective.token_loss(logp, counted)
         loss = (token_weights.float() * per_token).sum()
 
-    adv = advantages
-    n_counted = counted.sum().clamp(min=1).float()
-    stats = {
-        "logprobs": logp.detach(),
-        "clip_low_frac": ((ratio < 1.0 - epsilon_low) & (adv < 0) & counted).sum() / n_counted,
-        "clip_high_frac": ((ratio > 1.0 + epsilon_high) & (adv > 0) & counted).sum() / n_counted,
-        "kl_mean": (kl.detach() * counted).sum() / n_counted if kl is not None else logp.new_zeros(()),
-    }
+    stats = {"logprobs": logp.detach(), **objective.stats(ratio, kl, counted)}
     if return_entropy:
         stats["entropy"] = entropy.detach()
     return loss, stats
 
 
-def _with_old(logp, counted, old_logprobs):
-    # Skipped rows have logp == 0; using old there keeps exp(logp - old) finite (0 * inf would be NaN in the
-    # gradient) and the row still gets no gradient through the where.
-    return logp if old_logprobs is None else torch.where(counted, logp, old_logprobs.float())
-
-
 class _GradInForwardLoss(torch.autograd.Function):
     """``(loss, logp, entropy, ratio, kl)``; only ``loss`` is differentiable (the others feed the stats; ``kl`` is
     None when beta == 0). Forward runs ``impl.loss_pass`` (``_gradfwd`` or ``_chunked``), which also forms the
-    gradients of the loss; backward scales them by the upstream gradient."""
+    gradients of the loss; backward scales them by the upstream gradient. The objective's tensors are no inputs
+    of the function: none of them gets a gradient on this path."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, advantages, token_weights, inv_temp, chunk_size, token_kw, needs, impl,
+    def forward(ctx, hidden, weight, targets, token_weights, objective, inv_temp, chunk_size, needs, impl,
                 with_entropy):
         logp, entropy, grad_hidden, grad_weight = impl.loss_pass(
-            hidden, weight, targets, advantages, token_weights, inv_temp=inv_temp, chunk_size=chunk_size,
-            need_grad_hidden=needs[0], need_grad_weight=needs[1], with_entropy=with_entropy, **token_kw,
+            hidden, weight, targets, token_weights, objective, inv_temp=inv_temp, chunk_size=chunk_size,
+            need_grad_hidden=needs[0], need_grad_weight=needs[1], with_entropy=with_entropy,
         )
-        counted = token_weights != 0
-        per_token, ratio, kl = grpo_token_loss(_with_old(logp, counted, token_kw["old_logprobs"]), advantages,
-                                               **token_kw)
+        per_token, ratio, kl = objective.token_loss(logp, token_weights != 0)
         loss = (token_weights.float() * per_token).sum()
         # Held on ctx, not saved: backward scales them in place, which torch ops (the _chunked path) record in the
         # version counter that saved tensors are checked against. They are no outputs, so no reference cycle.
@@ -206,18 +137,18 @@ class _GradInForwardLoss(torch.autograd.Function):
     def backward(ctx, g_loss, *_g_stats):
         grad_hidden, grad_weight = ctx.grads
         if g_loss is None:
-            return (None,) * 11
+            return (None,) * 10
         # Dropped from ctx so that the returned gradients have no other owner: autograd then moves grad_weight into
         # weight.grad instead of cloning it (a clone would hold a second [V, H] at the peak).
         ctx.grads = (None, None)
         if ctx.used:
             raise RuntimeError("linear_grpo_loss(backend='cublas' or 'torch') computes its gradients once, in "
                                "forward, and scales them in place: a second backward through it is not supported "
-                               "(use backend='triton', or linear_logprobs and grpo_token_loss, for retain_graph / "
-                               "double backward)")
+                               "(use backend='triton', or linear_logprobs and TokenObjective.token_loss, for "
+                               "retain_graph / double backward)")
         ctx.used = True
         # In place, no host sync (_gradfwd: a no-op launch when g_loss == 1, i.e. loss.backward()).
         for grad in (grad_hidden, grad_weight):
             if grad is not None:
                 ctx.impl.scale_(grad, g_loss)
-        return grad_hidden, grad_weight, *(None,) * 9
+        return grad_hidden, grad_weight, *(None,) * 8

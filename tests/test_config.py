@@ -46,7 +46,7 @@ def test_unknown_key_names_closest(override, needle):
     ("rollout.max_completion_length=0", "rollout.max_completion_length"),
     ("rewards.weights=[1.0,2.0,3.0]", "rewards.weights"),
     ("grpo.loss_type=ppo", "grpo.loss_type"),
-    ("rollout.hf_decode=fast", "rollout.hf_decode"),
+    ("rollout.hf.decode=fast", "rollout.hf.decode"),
     ("max_steps=2.5", "max_steps"),
     ("grpo.num_generations=abc", "grpo.num_generations"),
 ])

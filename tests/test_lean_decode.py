@@ -8,7 +8,7 @@ import torch
 from test_rollout_hf import _load, _prompts, tiny_cache  # noqa: F401  (tiny_cache: the shared fixture)
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from fastgrpo.model import preallocated_kv_cache
+from fastgrpo.rollout.kv_cache import preallocated_kv_cache
 from fastgrpo.rollout.base import SamplingParams
 from fastgrpo.rollout.hf import HFEngine
 from fastgrpo.rollout.lean_decode import LeanDecoder, lean_unsupported_reason
@@ -127,13 +127,13 @@ def test_unsupported_models_fall_back_to_transformers(models, build, reason, rng
     expected = HFEngine(model, tok, batch_size=4, decode="transformers").generate(prompts, 2, params)
     assert [[c.token_ids for c in row] for row in auto.generate(prompts, 2, params)] == \
         [[c.token_ids for c in row] for row in expected]
-    with pytest.raises(ValueError, match="rollout.hf_decode=lean"):
+    with pytest.raises(ValueError, match="rollout.hf.decode=lean"):
         HFEngine(model, tok, decode="lean").generate(prompts, 1, params)
 
 
 def test_unknown_decode_path_is_rejected(models):
     model, tok = models["llama"]
-    with pytest.raises(ValueError, match="rollout.hf_decode"):
+    with pytest.raises(ValueError, match="rollout.hf.decode"):
         HFEngine(model, tok, decode="fast")
 
 
@@ -176,11 +176,11 @@ def test_activation_checkpointed_blocks_keep_the_lean_step(tiny_cache, rng):  # 
 
 @pytest.mark.parametrize("choice", ["auto", "lean", "transformers"])
 def test_the_trainer_builds_the_engine_with_the_configured_decode_step(models, choice):
-    from fastgrpo.config import RolloutConfig
+    from fastgrpo.config import HFRolloutConfig, RolloutConfig
     from fastgrpo.rollout.base import ENGINES, EngineSetup
 
     model, tok = models["llama"]
-    setup = EngineSetup(cfg=RolloutConfig(hf_decode=choice), model=model, tokenizer=tok, model_path=str,
+    setup = EngineSetup(cfg=RolloutConfig(hf=HFRolloutConfig(decode=choice)), model=model, tokenizer=tok, model_path=str,
                         prompt_token_bound=int, seed=0)
     engine = ENGINES["hf"].from_setup(setup)
     assert engine.decode == choice and (engine.lean_decoder() is None) == (choice == "transformers")

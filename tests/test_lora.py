@@ -13,7 +13,7 @@ from fastgrpo import lora
 from fastgrpo.config import ConfigError, LoraConfig, ParallelConfig, load_config
 from fastgrpo.kernels import linear_logprobs
 from fastgrpo.parallelize import parallelize_model
-from fastgrpo.rollout.weight_sync import iter_policy_tensors
+from fastgrpo.policy_state import hf_name, iter_policy_tensors
 from fastgrpo.update import packed_logprobs, plan_packed
 
 pytest.importorskip("peft")
@@ -182,7 +182,7 @@ def test_modules_to_save_train_the_norms_and_the_reference_keeps_the_originals(t
     model = _norm_lora()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     saved = {n for n in trainable if ".modules_to_save." in n}
-    assert {lora.hf_name(n) for n in saved} == {n for n, _ in dh.tiny_qwen2().named_parameters() if n.endswith(
+    assert {hf_name(n) for n in saved} == {n for n, _ in dh.tiny_qwen2().named_parameters() if n.endswith(
         "norm.weight")}  # every RMSNorm: name suffix "norm", as peft matches it
     base_lp = _logprobs(parallelize_model(dh.tiny_qwen2(), ParallelConfig(), device="cpu", world_size=1))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -197,7 +197,7 @@ def test_modules_to_save_train_the_norms_and_the_reference_keeps_the_originals(t
     assert merged.keys() == expected.keys()
     params = dict(model.named_parameters())
     for n in saved:
-        assert torch.equal(merged[lora.hf_name(n)], params[n]), n  # the trained copy, not the original
+        assert torch.equal(merged[hf_name(n)], params[n]), n  # the trained copy, not the original
 
     from peft import PeftModel
 
@@ -219,7 +219,7 @@ def test_modules_to_save_config_checks():
                        (["model.lora.rank=4", "model.lora.modules_to_save=[model.embed_tokens]"],
                         "model.lora.modules_to_save"),
                        (["model.lora.rank=4", "model.lora.modules_to_save=[norm]", "rollout.engine=vllm",
-                         "rollout.lora_sync=adapter"], "rollout.lora_sync")):
+                         "rollout.vllm.lora_sync=adapter"], "rollout.vllm.lora_sync")):
         with pytest.raises(ConfigError, match=field):
             load_config(None, bad)
     with pytest.raises(ValueError, match="model.lora.modules_to_save"):

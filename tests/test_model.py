@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fastgrpo import model as model_lib
+from fastgrpo import attention as attention_lib
+from fastgrpo.attention import choose_attn_implementation
 from fastgrpo.config import ModelConfig
 from fastgrpo.model import (
-    choose_attn_implementation,
     count_params,
     get_trunk_and_head,
     load_model,
@@ -142,7 +142,7 @@ def test_auto_dtype_is_bf16_on_cuda_fp32_on_cpu():
     (False, CPU, "sdpa_varlen"),
 ])
 def test_auto_attention_backend(monkeypatch, flash, device, expected):
-    monkeypatch.setattr(model_lib, "_flash_attn_installed", lambda: flash)
+    monkeypatch.setattr(attention_lib, "_flash_attn_installed", lambda: flash)
     assert choose_attn_implementation("auto", device) == expected
 
 
@@ -152,13 +152,13 @@ def test_explicit_attention_backend_is_kept(name):
 
 
 def test_flash_attention_without_flash_attn_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(model_lib, "_flash_attn_installed", lambda: False)
+    monkeypatch.setattr(attention_lib, "_flash_attn_installed", lambda: False)
     with pytest.raises(ImportError, match=r"pip install fastgrpo\[flash-attn\]"):
         choose_attn_implementation("flash_attention_2", CUDA)
 
 
 def test_flash_attention_on_cpu_is_rejected(monkeypatch):
-    monkeypatch.setattr(model_lib, "_flash_attn_installed", lambda: True)
+    monkeypatch.setattr(attention_lib, "_flash_attn_installed", lambda: True)
     with pytest.raises(ValueError, match="CUDA"):
         choose_attn_implementation("flash_attention_2", CPU)
 

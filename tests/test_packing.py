@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastgrpo.model import ATTN_BACKENDS, packed_head_forward
+from fastgrpo.attention import ATTN_BACKENDS
+from fastgrpo.model import packed_head_forward
 from fastgrpo.packing import completion_offsets, pack, partition_balanced, plan_microbatches, split_to_count
 
 transformers = pytest.importorskip("transformers")
@@ -163,7 +164,7 @@ def test_varlen_backends_receive_boundaries(attn):
 def tiny_model(family: str, attn: str, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    from fastgrpo.model import register_with_transformers
+    from fastgrpo.attention import register_with_transformers
 
     register_with_transformers()
 

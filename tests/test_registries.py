@@ -4,6 +4,7 @@ component implements), and a name registered in one place is accepted by config 
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 import torch
@@ -12,25 +13,22 @@ from fastgrpo import config as C
 from fastgrpo.config import ConfigError, describe, load_config
 
 
-def _choice_fields():
-    """(section class, field name, dotted key) of every Literal or registry field."""
-    for top in dataclasses.fields(C.TrainConfig):
-        tp = C._field_types(C.TrainConfig)[top.name]
-        sections = [(tp, f"{top.name}.")] if dataclasses.is_dataclass(tp) else []
-        for cls, prefix in sections:
-            for f in dataclasses.fields(cls):
-                if C.choices(cls, f.name) is not None:
-                    yield cls, f.name, prefix + f.name
-        if not dataclasses.is_dataclass(tp) and C.choices(C.TrainConfig, top.name) is not None:
-            yield C.TrainConfig, top.name, top.name
+def _choice_fields(cls=C.TrainConfig, prefix=""):
+    """(section class, field name, dotted key) of every Literal or registry field, nested sections included."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _choice_fields(hints[f.name], f"{prefix}{f.name}.")
+        elif C.choices(cls, f.name) is not None:
+            yield cls, f.name, prefix + f.name
 
 
 def _registries():
-    from fastgrpo import kernels, losses, metrics, model, rewards, rollout
+    from fastgrpo import attention, kernels, losses, metrics, rewards, rollout
     from fastgrpo.data import templates
 
     return {
-        "model.attn_implementation": ["auto", *model.ATTN_BACKENDS],
+        "model.attn_implementation": ["auto", *attention.ATTN_BACKENDS],
         "data.template": list(templates.TEMPLATES),
         "rewards.funcs": list(rewards.REWARDS),
         "rollout.engine": list(rollout.ENGINES),
@@ -44,7 +42,7 @@ def test_every_registry_field_lists_exactly_its_registry():
     found = {key: C.choices(cls, name) for cls, name, key in _choice_fields()}
     for key, names in _registries().items():
         assert found[key] == names, key
-    assert {"model.dtype", "rollout.sleep_level", "grpo.scale_rewards", "optim.schedule", "parallel.param_dtype",
+    assert {"model.dtype", "rollout.vllm.sleep_level", "grpo.scale_rewards", "optim.schedule", "parallel.param_dtype",
             "device"} <= set(found)
 
 
@@ -83,7 +81,7 @@ def test_help_config_lists_the_choices_of_a_registry_field():
 
 def test_registering_a_name_in_one_place_makes_config_accept_it():
     """A new loss type, reward, rollout engine and attention backend: one registration each, here in the test."""
-    from fastgrpo import losses, model, rewards, rollout
+    from fastgrpo import attention, losses, rewards, rollout
     from fastgrpo.rollout import RolloutEngine
 
     new = ["grpo.loss_type=seq_mean", "rewards.funcs=[length_bonus]", "rollout.engine=scripted",
@@ -108,7 +106,7 @@ def test_registering_a_name_in_one_place_makes_config_accept_it():
         def update_weights(self, named_tensors):
             pass
 
-    model.register_attn_backend("my_attn", model.AttnBackend())
+    attention.register_attn_backend("my_attn", attention.AttnBackend())
     try:
         cfg = load_config(None, new)
         assert (cfg.grpo.loss_type, cfg.rewards.funcs, cfg.rollout.engine, cfg.model.attn_implementation) == (
@@ -120,9 +118,9 @@ def test_registering_a_name_in_one_place_makes_config_accept_it():
                                                                           max_completion_length=4))
         assert w.tolist() == pytest.approx([0.25, 0.25, 1 / 6, 1 / 6, 1 / 6])
         assert rewards.load_reward_funcs(["length_bonus"])[0][1] is _length_bonus
-        assert model.choose_attn_implementation("my_attn", "cpu") == "my_attn"
+        assert attention.choose_attn_implementation("my_attn", "cpu") == "my_attn"
     finally:
         losses.LOSS_TYPES.pop("seq_mean", None)
         rewards.REWARDS.pop("length_bonus", None)
         rollout.ENGINES.pop("scripted", None)
-        model.ATTN_BACKENDS.pop("my_attn", None)
+        attention.ATTN_BACKENDS.pop("my_attn", None)

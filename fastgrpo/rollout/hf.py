@@ -12,12 +12,12 @@ alone (as the trainer's packed forward will). RoPE attention depends only on pos
 mask is what keeps padded and unpadded generation equal; the padded-vs-alone test checks it token for token.
 
 A step: one forward of the new tokens against a KV cache allocated once for the chunk
-(``model.preallocated_kv_cache``; transformers' DynamicCache concatenates the whole cache at every token), with
+(``kv_cache.preallocated_kv_cache``; transformers' DynamicCache concatenates the whole cache at every token), with
 the attention mask a view of one ``[N, P + max_tokens]`` mask, then one uniform number per row to draw the next
 token (``sample_rows``). The host learns whether all rows finished every step on a CPU, every
 ``_FINISH_CHECK_EVERY`` steps on an accelerator.
 
-Decode step (``rollout.hf_decode``): the prompt always runs through transformers' forward; the per-token steps,
+Decode step (``rollout.hf.decode``): the prompt always runs through transformers' forward; the per-token steps,
 where transformers' per-call overhead dominates on small models, run through ``lean_decode.LeanDecoder`` (the same
 arithmetic on the model's own parameters, continuing the same cache) when the model is a plain Qwen2/Llama
 (``"auto"``, the default; ``"lean"`` raises where it cannot), or always through transformers (``"transformers"``).
@@ -32,6 +32,7 @@ V vocabulary size.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from typing import Iterable, Iterator
 
@@ -39,18 +40,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastgrpo.config import RolloutConfig, choices
-from fastgrpo.model import decoding_attn_implementation, preallocated_kv_cache
+from fastgrpo.config import HFRolloutConfig, check_section
+from fastgrpo.attention import decoding_attn_implementation
 from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
+from fastgrpo.rollout.kv_cache import preallocated_kv_cache
 from fastgrpo.rollout.lean_decode import LeanDecoder, lean_unsupported_reason
 
 __all__ = ["HFEngine", "sample_next", "sample_rows"]
 
 _FINISH_CHECK_EVERY = 8
-
-_DECODE_PATHS = tuple(choices(RolloutConfig, "hf_decode"))
-"""The decode step's implementations (rollout.hf_decode's Literal is the one source)."""
-
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
@@ -171,15 +169,14 @@ class HFEngine(RolloutEngine):
     collective. FSDP2's gathered parameters are freed after each call.
     """
 
-    def __init__(self, model: nn.Module, tokenizer, *, batch_size: int = 64, decode: str = "auto"):
-        if batch_size < 1:
-            raise ValueError(f"rollout.batch_size: must be >= 1, got {batch_size}")
-        if decode not in _DECODE_PATHS:
-            raise ValueError(f"rollout.hf_decode: must be one of {', '.join(_DECODE_PATHS)}, got {decode!r}")
-        self.decode = decode
+    def __init__(self, model: nn.Module, tokenizer, options: HFRolloutConfig | None = None, **values):
+        """``options``: the ``rollout.hf`` section; keyword ``values`` (``batch_size=8``, ``decode="lean"``) replace
+        its fields. Checked by the section's own checks (ValueError naming ``rollout.hf.<field>``)."""
+        options = check_section(dataclasses.replace(options or HFRolloutConfig(), **values), "rollout.hf")
+        self.decode = options.decode
+        self.batch_size = options.batch_size
         self.model = model
         self.tokenizer = tokenizer
-        self.batch_size = batch_size
         self.eos_ids = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]  # any id works: pad positions are masked
@@ -188,7 +185,7 @@ class HFEngine(RolloutEngine):
 
     @classmethod
     def from_setup(cls, setup: EngineSetup) -> "HFEngine":
-        return cls(setup.model, setup.tokenizer, batch_size=setup.cfg.batch_size, decode=setup.cfg.hf_decode)
+        return cls(setup.model, setup.tokenizer, setup.cfg.hf)
 
     def sync_from(self, model: nn.Module) -> bool:
         return False  # generates with the policy module itself
@@ -262,7 +259,7 @@ class HFEngine(RolloutEngine):
             return None
         reason = lean_unsupported_reason(self.model)
         if reason is not None and self.decode == "lean":
-            raise ValueError(f"rollout.hf_decode=lean: {reason}; use 'auto' or 'transformers'")
+            raise ValueError(f"rollout.hf.decode=lean: {reason}; use 'auto' or 'transformers'")
         return None if reason is not None else LeanDecoder(self.model)
 
     def _device(self) -> torch.device:

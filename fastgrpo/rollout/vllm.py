@@ -18,7 +18,7 @@ Departures from a plain ``vllm.LLM``, each for a reason:
   ``reload_weights`` (it re-runs the CPU backend's weight repacking, which a bare ``load_weights`` skips); with
   tied embeddings the CPU backend's prepacked lm_head is rebuilt too, because vLLM only reloads the embedding.
 - LoRA policies (``fastgrpo.lora``): by default the engine receives merged weights (``W + scale * B @ A``, one layer
-  at a time, the policy untouched) and decodes a plain model. With ``lora_rank > 0`` (``rollout.lora_sync=adapter``)
+  at a time, the policy untouched) and decodes a plain model. With ``lora_rank > 0`` (``rollout.vllm.lora_sync=adapter``)
   it runs vLLM's LoRA support instead: a sync writes the adapters (a few MB) to a folder of this rank and loads
   them as a new LoRA id; every generate() applies it.
 - CPU: vLLM re-seeds the global torch RNG and replaces ``torch.set_num_threads`` while it builds; both are
@@ -30,6 +30,7 @@ Departures from a plain ``vllm.LLM``, each for a reason:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -40,8 +41,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from fastgrpo.config import VLLMRolloutConfig, check_section
+from fastgrpo.policy_state import clean_param_name, is_lora, iter_full_tensors
 from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
-from fastgrpo.rollout.weight_sync import bucket_by_layer, clean_param_name, tensor_bytes
+from fastgrpo.rollout.weight_sync import bucket_by_layer, tensor_bytes
 
 __all__ = ["VLLMEngine", "import_vllm"]
 
@@ -187,23 +190,18 @@ _WEIGHT_LOADERS: dict[str, Callable[[Any, list[tuple[str, torch.Tensor]]], None]
 class VLLMEngine(RolloutEngine):
     """Colocated vLLM engine (one per rank); see the module docstring.
 
-    Args (keyword-only after ``model_path``):
+    Args:
         model_path: local Hugging Face folder of the policy (config.json, weights, tokenizer).
+        options: the ``rollout.vllm`` section (:class:`fastgrpo.config.VLLMRolloutConfig`: memory share, context
+            length (None here = the model's maximum), prefix caching, sleep level (at 2 a full
+            :meth:`update_weights` must come before :meth:`wake`), sync bucket size, eager mode); keyword
+            ``values`` of the same names replace its fields. Checked by the section's own checks.
         tokenizer: tokenizer folder, or a tokenizer object (its ``name_or_path`` is used); default model_path.
         seed: base seed; the engine is seeded with ``seed + rank`` so ranks sample differently.
-        gpu_memory_utilization: fraction of the GPU for the engine (weights + KV cache), in (0, 1). On CUDA
-            it must fit in the memory free when the engine starts (the policy is already resident).
-        max_model_len: longest prompt + completion, in tokens; None = the model's maximum.
-        enable_prefix_caching: share the prompt's KV cache among the n samples of a prompt.
-        sleep_level: 0 never sleeps; 1 or 2 = vLLM's sleep levels (1 offloads the weights to CPU memory and
-            drops the KV cache; 2 drops both, so a full :meth:`update_weights` must come before
-            :meth:`wake`). CUDA only: a no-op on CPU.
-        sync_bucket_mb: weight-sync bucket size in MB (``sync_bucket_mb * 2**20`` bytes).
         dtype: engine dtype ('auto' = the checkpoint's, 'float32', 'bfloat16', ...); synced tensors are cast
             to it before they are sent.
         rank, world_size: this process's place under torchrun; world_size > 1 needs torchrun's environment
             and uses vLLM's ``external_launcher`` backend.
-        enforce_eager: skip vLLM's torch.compile / CUDA graphs (faster start, slower decode; tests use it).
         weight_loader: 'auto' ('reload' on CPU, 'load' on CUDA), 'reload' (``reload_weights`` RPC) or 'load'
             (``model.load_weights`` on the worker, unquantized CUDA models).
         lora_rank: 0 = LoRA policies are synced merged; r > 0 = the engine serves one LoRA adapter of rank <= r
@@ -214,20 +212,12 @@ class VLLMEngine(RolloutEngine):
         max_model_len: the engine's context length.
     """
 
-    def __init__(self, model_path: str | Path, *, tokenizer: Any = None, seed: int = 0,
-                 gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, sleep_level: int = 1, sync_bucket_mb: int = 512,
-                 dtype: str = "auto", rank: int = 0, world_size: int = 1, enforce_eager: bool = False,
-                 weight_loader: str = "auto", lora_rank: int = 0):
+    def __init__(self, model_path: str | Path, options: VLLMRolloutConfig | None = None, *, tokenizer: Any = None,
+                 seed: int = 0, dtype: str = "auto", rank: int = 0, world_size: int = 1, weight_loader: str = "auto",
+                 lora_rank: int = 0, **values):
         # 1. Arguments (cheap, before anything is imported or allocated).
-        if not 0 < gpu_memory_utilization < 1:
-            raise ValueError(f"rollout.gpu_memory_utilization: must be in (0, 1), got {gpu_memory_utilization}")
-        if sleep_level not in (0, 1, 2):
-            raise ValueError(f"rollout.sleep_level: must be 0, 1 or 2, got {sleep_level}")
-        if sync_bucket_mb < 1:
-            raise ValueError(f"rollout.sync_bucket_mb: must be >= 1, got {sync_bucket_mb}")
-        if max_model_len is not None and max_model_len < 2:
-            raise ValueError(f"rollout.max_model_len: must be >= 2 or None, got {max_model_len}")
+        opt = check_section(dataclasses.replace(options or VLLMRolloutConfig(), **values), "rollout.vllm")
+        gpu_memory_utilization = opt.gpu_memory_utilization
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if lora_rank < 0:
@@ -260,7 +250,7 @@ class VLLMEngine(RolloutEngine):
             free, total = torch.cuda.mem_get_info()
             if gpu_memory_utilization * total > free:
                 raise ValueError(
-                    f"rollout.gpu_memory_utilization={gpu_memory_utilization}: the engine would take "
+                    f"rollout.vllm.gpu_memory_utilization={gpu_memory_utilization}: the engine would take "
                     f"{gpu_memory_utilization * total / _GIB:.1f} GiB but only {free / _GIB:.1f} of "
                     f"{total / _GIB:.1f} GiB are free (the policy and optimizer are already on the GPU); "
                     f"lower it to at most {free / total:.2f}")
@@ -278,8 +268,8 @@ class VLLMEngine(RolloutEngine):
         self._tokens_prompt = TokensPrompt
         self.on_cuda = on_cuda
         self.rank, self.world_size = rank, world_size
-        self.sleep_level = sleep_level
-        self.sync_bucket_bytes = sync_bucket_mb << 20
+        self.sleep_level = opt.sleep_level
+        self.sync_bucket_bytes = opt.sync_bucket_mb << 20
         self.tied_embeddings = bool(hf_cfg.get("tie_word_embeddings", False))
         self._load = _WEIGHT_LOADERS[weight_loader if weight_loader != "auto" else ("load" if on_cuda else "reload")]
         self._refresh_head = self.tied_embeddings and not on_cuda
@@ -291,9 +281,9 @@ class VLLMEngine(RolloutEngine):
         # 3. The engine.
         kwargs: dict[str, Any] = dict(
             tokenizer=tokenizer_path, dtype=dtype, seed=seed + rank, tensor_parallel_size=1,
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs",
-            enable_sleep_mode=on_cuda and sleep_level > 0, enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=opt.max_model_len,
+            enable_prefix_caching=opt.enable_prefix_caching, logprobs_mode="processed_logprobs",
+            enable_sleep_mode=on_cuda and opt.sleep_level > 0, enforce_eager=opt.enforce_eager,
         )
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -320,7 +310,7 @@ class VLLMEngine(RolloutEngine):
     def from_setup(cls, setup: EngineSetup) -> "VLLMEngine":
         r = setup.cfg
         model_path = setup.model_path()
-        max_model_len = r.max_model_len
+        max_model_len = r.vllm.max_model_len
         if max_model_len is None:
             # A bound, not the exact longest prompt: finding that would tokenize every row of both splits at
             # start-up. A larger context costs vLLM nothing until it is used (KV blocks are allocated per
@@ -330,25 +320,22 @@ class VLLMEngine(RolloutEngine):
             max_model_len = setup.prompt_token_bound() + r.max_completion_length
             if text_cfg.get("max_position_embeddings"):
                 max_model_len = min(max_model_len, int(text_cfg["max_position_embeddings"]))
-        from fastgrpo.lora import is_lora
 
         lora_rank = 0
-        if r.lora_sync == "adapter" and is_lora(setup.model):
+        if r.vllm.lora_sync == "adapter" and is_lora(setup.model):
             lora_rank = max(c.r for c in setup.model.peft_config.values())
-        return cls(model_path, tokenizer=setup.tokenizer, seed=setup.seed + setup.rank, lora_rank=lora_rank,
-                   gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=max_model_len,
-                   enable_prefix_caching=r.enable_prefix_caching, sleep_level=r.sleep_level,
-                   sync_bucket_mb=r.sync_bucket_mb, rank=setup.rank, world_size=setup.world_size,
-                   enforce_eager=r.enforce_eager)
+        # The engine adds the rank to the seed itself (ranks sample differently): pass the run's seed.
+        return cls(model_path, r.vllm, max_model_len=max_model_len, tokenizer=setup.tokenizer, seed=setup.seed,
+                   lora_rank=lora_rank, rank=setup.rank, world_size=setup.world_size)
 
     def check_lengths(self, prompt_len: int, max_completion_length: int) -> None:
         """Raise ValueError unless a ``prompt_len``-token prompt plus ``max_completion_length`` new tokens fit
         in the engine's context (every :meth:`generate` checks its longest prompt)."""
         if prompt_len + max_completion_length > self.max_model_len:
             raise ValueError(
-                f"rollout.max_model_len={self.max_model_len} is shorter than the longest prompt ({prompt_len} "
+                f"rollout.vllm.max_model_len={self.max_model_len} is shorter than the longest prompt ({prompt_len} "
                 f"tokens) + rollout.max_completion_length ({max_completion_length}) = "
-                f"{prompt_len + max_completion_length}; raise rollout.max_model_len (or leave it null)")
+                f"{prompt_len + max_completion_length}; raise rollout.vllm.max_model_len (or leave it null)")
 
     # -- RolloutEngine --------------------------------------------------------------------------------------------
 
@@ -428,8 +415,6 @@ class VLLMEngine(RolloutEngine):
 
     def sync_from(self, model: torch.nn.Module) -> bool:
         """Merged weights (the default), or with ``lora_rank > 0`` and a LoRA policy its adapters only."""
-        from fastgrpo.lora import is_lora
-
         if self.lora_rank and is_lora(model):
             self.update_adapter(model)
             return True
@@ -439,8 +424,6 @@ class VLLMEngine(RolloutEngine):
         """Send a LoRA policy's adapters: gather them (a collective under FSDP), write a peft folder of this rank,
         load it as a new LoRA id (the previous one is removed) and reset the prefix cache."""
         import tempfile
-
-        from fastgrpo.rollout.weight_sync import iter_full_tensors
 
         start = time.perf_counter()
         if "weights" in self._sleeping:

@@ -4,8 +4,9 @@ The trainer's parameters may be FSDP2 shards (``DTensor``). An engine with its o
 one per rank) needs full tensors, but gathering the whole model at once would double peak memory and sending
 one parameter per call pays the per-call overhead hundreds of times. So:
 
-- :func:`iter_full_tensors` gathers one parameter at a time (``DTensor.full_tensor()`` is a collective: every
-  rank must iterate the same model in the same order) and yields it under its Hugging Face name;
+- :func:`fastgrpo.policy_state.iter_policy_tensors` gathers one parameter at a time (``DTensor.full_tensor()`` is
+  a collective: every rank must iterate the same model in the same order) and yields it under its Hugging Face
+  name;
 - :func:`bucket_by_layer` groups the stream into buckets of about ``bucket_bytes``, never splitting one
   transformer block across two buckets: vLLM fuses q/k/v (and gate/up) into one parameter and processes a
   layer once all its pieces arrived, so half a block in one call would leave the fused weight half-written.
@@ -19,23 +20,11 @@ import re
 from typing import Iterable, Iterator
 
 import torch
-from torch import nn
 
-__all__ = ["bucket_by_layer", "clean_param_name", "iter_full_tensors", "iter_policy_tensors", "layer_key",
-           "tensor_bytes"]
-
-# Wrappers that insert a level into parameter names but not into the checkpoint's names.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+__all__ = ["bucket_by_layer", "layer_key", "tensor_bytes"]
 
 # `model.layers.12.self_attn.q_proj.weight` -> `model.layers.12.`: everything up to the block index.
 _BLOCK = re.compile(r"^(.*?\.(?:layers|h|blocks)\.\d+\.)")
-
-
-def clean_param_name(name: str) -> str:
-    """The Hugging Face name of a parameter seen through activation-checkpointing / compile wrappers."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
 
 
 def layer_key(name: str) -> str:
@@ -49,40 +38,6 @@ def layer_key(name: str) -> str:
 
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def iter_full_tensors(model: nn.Module, *, dtype: torch.dtype | None = None
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` for every parameter of ``model``, one at a time.
-
-    FSDP2 shards are all-gathered with ``DTensor.full_tensor()`` (so every rank must consume the iterator in
-    lock-step); plain tensors are yielded as they are (detached, no copy). ``dtype`` casts each tensor as it
-    is gathered, so a float32 master copy streams as bfloat16 to a bfloat16 engine at half the bytes.
-    Tied parameters (``lm_head.weight`` is ``embed_tokens.weight``) appear once, under their first name, as
-    ``named_parameters`` reports them.
-    """
-    from torch.distributed.tensor import DTensor
-
-    for name, param in model.named_parameters():
-        t = param.detach()
-        if isinstance(t, DTensor):
-            t = t.full_tensor()
-        if dtype is not None:
-            t = t.to(dtype)
-        yield clean_param_name(name), t
-
-
-def iter_policy_tensors(model: nn.Module, *, dtype: torch.dtype | None = None
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy as a Hugging Face model sees it: :func:`iter_full_tensors`, and for a LoRA model the base
-    names with the adapters merged in, one layer at a time (:func:`fastgrpo.lora.merged_tensors`)."""
-    from fastgrpo.lora import is_lora, merged_tensors
-
-    if not is_lora(model):
-        yield from iter_full_tensors(model, dtype=dtype)
-        return
-    for name, t in merged_tensors(model, iter_full_tensors(model)):
-        yield name, t if dtype is None else t.to(dtype)
 
 
 def bucket_by_layer(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int

@@ -1,0 +1,213 @@
+"""Attention backends: which transformers attention implementation runs a packed row, how the row's sequence
+boundaries reach it, and what the hf rollout engine decodes with (registry ``ATTN_BACKENDS``, the choices of
+``model.attn_implementation``); and fastgrpo's own ``"sdpa_varlen"`` (sdpa per sequence of a packed row).
+
+The model loader (:mod:`fastgrpo.model`) asks :func:`choose_attn_implementation` which backend to load a model
+with; the packed forward asks :func:`packed_attention_inputs` for the extra trunk arguments of a micro-batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from fastgrpo.packing import MicroBatch
+
+__all__ = ["ATTN_BACKENDS", "AttnBackend", "block_causal_mask", "choose_attn_implementation",
+           "decoding_attn_implementation", "packed_attention_inputs", "register_attn_backend",
+           "register_with_transformers"]
+
+
+def _flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _needs_flash_attn(device: torch.device) -> None:
+    if not _flash_attn_installed():
+        raise ImportError(
+            "model.attn_implementation=flash_attention_2 needs the flash-attn package: "
+            "pip install fastgrpo[flash-attn]  (or choose 'auto', 'flex_attention' or 'sdpa')")
+    if device.type != "cuda":
+        raise ValueError(f"model.attn_implementation: flash_attention_2 runs on CUDA only, not on {device.type}")
+
+
+def _runs_anywhere(device: torch.device) -> None:
+    pass
+
+
+# How a packed row's sequence boundaries reach each backend. transformers (read in 5.19's masking_utils; present
+# since 4.53) detects packing from position_ids when attention_mask is None and no KV cache is passed
+# (find_packed_sequence_indices), and then builds a block-diagonal causal mask for sdpa/eager/flex. We still pass
+# the boundaries explicitly where we can:
+# - flash_attention_2: cu_seqlens + max_seqlen go straight to flash_attn_varlen_func; otherwise transformers
+#   re-derives them from position_ids in every layer with a device->host sync.
+# - sdpa: an explicit [1, 1, T, T] boolean block-causal mask (True = attend). Same mask transformers would
+#   build, without the host sync in its packing check and without relying on that check across versions.
+# - eager and flex_attention: position_ids only; transformers builds the additive mask / the BlockMask.
+# Models with sliding-window layers also use position_ids only: one explicit mask would ignore the window.
+
+
+def block_causal_mask(mb: MicroBatch) -> torch.Tensor:
+    """[1, 1, T, T] bool: token q may attend to token k iff same sequence and k <= q."""
+    seg = mb.segment_ids  # [T], already on the device: no host->device copy inside the micro-batch loop
+    same = seg[:, None] == seg[None, :]  # [T, T]
+    causal = torch.ones(mb.num_tokens, mb.num_tokens, dtype=torch.bool, device=seg.device).tril_()
+    return (same & causal)[None, None]
+
+
+def _sdpa_inputs(mb: MicroBatch) -> dict[str, Any]:
+    return {"attention_mask": block_causal_mask(mb)}
+
+
+def _varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
+    return {"cu_seq_lens_q": mb.cu_seqlens, "cu_seq_lens_k": mb.cu_seqlens,
+            "max_length_q": mb.max_seqlen, "max_length_k": mb.max_seqlen}
+
+
+def _position_ids_only(mb: MicroBatch) -> dict[str, Any]:
+    return {}
+
+
+def _sdpa_per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function of ``"sdpa_varlen"``: causal sdpa on each sequence of a packed row.
+
+    query ``[1, Hq, T, d]``, key / value ``[1, Hkv, T, d]`` -> ``[1, T, Hq, d]``. The boundaries come from
+    ``cu_seq_lens_q`` (the packed forward passes them, as for flash-attn varlen). One dense ``[T, T]``
+    block-causal mask (what ``"sdpa"`` gets for a packed row) costs ``T^2`` per head and layer, where the
+    sequences need ``sum L_i^2``; and sdpa's CPU kernel skips the blocks above the diagonal only with
+    ``is_causal``, never for a mask. Without ``cu_seq_lens_q`` (a plain forward) the sequences start where
+    ``position_ids`` restart unless a KV cache is in use, as transformers' own packed-sequence detection has it.
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        bounds = cu.tolist()  # K + 1 host ints: a copy from the device once per layer (free on CPU)
+    elif attention_mask is not None or query.shape[2] != key.shape[2]:
+        raise ValueError("model.attn_implementation=sdpa_varlen runs packed rows and unpadded sequences only, "
+                         "without a KV cache (the rollout engine decodes with sdpa)")
+    elif kwargs.get("use_cache"):  # a KV cache: transformers reads no packing from position_ids either
+        bounds = [0, query.shape[2]]
+    else:
+        bounds = _sequence_starts(kwargs.get("position_ids"), query.shape[2])
+    gqa = query.shape[1] != key.shape[1]
+
+    def band(n: int) -> torch.Tensor | None:  # sliding-window layers: causal and at most `window` back, [n, n]
+        if sliding_window is None or sliding_window >= n:
+            return None
+        i = torch.arange(n, device=query.device)
+        return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < sliding_window)
+
+    def attend(a: int, b: int) -> torch.Tensor:  # [1, Hq, L_i, d]
+        mask = band(b - a)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], attn_mask=mask, dropout_p=dropout,
+            is_causal=mask is None, scale=scaling, enable_gqa=gqa)
+
+    outs = [attend(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, Hq, T, d]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sequence_starts(position_ids: torch.Tensor | None, length: int) -> list[int]:
+    """``[0, starts..., length]``: where ``position_ids [B, T]`` restart (the same in every row)."""
+    if position_ids is None or length < 2:
+        return [0, length]
+    restart = position_ids.diff(dim=-1) != 1  # [B, T - 1]
+    if restart.shape[0] > 1 and not bool((restart == restart[:1]).all()):
+        raise ValueError("model.attn_implementation=sdpa_varlen: rows of a batch pack sequences at different "
+                         "positions; use sdpa")
+    return [0, *(restart[0].nonzero().squeeze(1) + 1).tolist(), length]
+
+
+def _sdpa_varlen_mask(*, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None, **_) -> None:
+    """transformers mask function of ``"sdpa_varlen"``: builds nothing (the attention needs only the boundaries),
+    but refuses what per-sequence causal attention would get wrong: padding, and a KV cache (decoding)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("model.attn_implementation=sdpa_varlen runs packed rows and unpadded sequences only, "
+                         "without padding (the rollout engine decodes with sdpa)")
+    if q_length != kv_length:
+        raise ValueError("model.attn_implementation=sdpa_varlen runs packed rows and unpadded sequences only, "
+                         "without a KV cache (the rollout engine decodes with sdpa)")
+    return None
+
+
+def register_with_transformers() -> None:
+    """Make fastgrpo's own attention implementations (``"sdpa_varlen"``) known to transformers; idempotent.
+    ``load_model`` calls it; call it before building a model from a config with one of them."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("sdpa_varlen", _sdpa_per_sequence)
+    AttentionMaskInterface.register("sdpa_varlen", _sdpa_varlen_mask)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttnBackend:
+    """What fastgrpo needs to know about one transformers attention implementation."""
+
+    check: Callable[[torch.device], None] = _runs_anywhere
+    """Raises (ImportError saying what to install, or ValueError) if it cannot run on a device."""
+    packed_inputs: Callable[[MicroBatch], dict[str, Any]] = _position_ids_only
+    """Extra trunk kwargs that mark the sequence boundaries of a packed row."""
+    decode_with: str | None = None
+    """Implementation the HF rollout engine decodes with; None = this one."""
+
+
+ATTN_BACKENDS: dict[str, AttnBackend] = {}
+"""Backend name (transformers' attn_implementation, the choices of model.attn_implementation) -> AttnBackend."""
+
+
+def register_attn_backend(name: str, backend: AttnBackend) -> None:
+    """Make ``name`` a valid ``model.attn_implementation`` with the given checks and packed inputs."""
+    ATTN_BACKENDS[name] = backend
+
+
+register_attn_backend("flash_attention_2", AttnBackend(check=_needs_flash_attn, packed_inputs=_varlen_inputs))
+# flex's compiled kernels are specialised to shapes and a KV cache changes shape every token: decode with sdpa.
+register_attn_backend("flex_attention", AttnBackend(decode_with="sdpa"))
+register_attn_backend("sdpa", AttnBackend(packed_inputs=_sdpa_inputs))
+# sdpa per sequence of a packed row (see _sdpa_per_sequence): the CPU default; decoding needs sdpa's masks.
+register_attn_backend("sdpa_varlen", AttnBackend(packed_inputs=_varlen_inputs, decode_with="sdpa"))
+register_attn_backend("eager", AttnBackend())
+
+
+def choose_attn_implementation(requested: str, device: torch.device | str) -> str:
+    """Resolve ``model.attn_implementation`` to a transformers backend name for ``device``.
+
+    'auto' -> flash_attention_2 when flash-attn is installed and the device is CUDA, else flex_attention on
+    CUDA, else sdpa_varlen (sdpa per sequence of a packed row: no [T, T] mask). An explicit name is checked (flash_attention_2 without flash-attn raises ImportError
+    saying how to install it) and returned unchanged.
+    """
+    device = torch.device(device)
+    if requested == "auto":
+        if device.type == "cuda":
+            return "flash_attention_2" if _flash_attn_installed() else "flex_attention"
+        return "sdpa_varlen"
+    if requested not in ATTN_BACKENDS:
+        raise ValueError(f"model.attn_implementation: unknown backend {requested!r} "
+                         f"(auto, {', '.join(ATTN_BACKENDS)})")
+    ATTN_BACKENDS[requested].check(device)
+    return requested
+
+
+def decoding_attn_implementation(impl: str | None) -> str | None:
+    """The implementation to decode with (KV cache, one token per step) for a model that trains with ``impl``."""
+    backend = ATTN_BACKENDS.get(impl) if impl is not None else None
+    if backend is None or backend.decode_with is None:
+        return impl
+    return backend.decode_with
+
+
+def packed_attention_inputs(config: Any, mb: MicroBatch) -> dict[str, Any]:
+    """Extra trunk kwargs that mark the sequence boundaries of packed row ``mb`` for a model with ``config``."""
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return {}
+    backend = ATTN_BACKENDS.get(impl)
+    return backend.packed_inputs(mb) if backend is not None else {}

@@ -1,0 +1,143 @@
+"""Run configs: what every run has (:class:`RunConfig`), a GRPO run (:class:`TrainConfig`) and an SFT run
+(:class:`SFTConfig`), and the run-level checks they share (:func:`check_run_config`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fastgrpo.config.loader import check, check_finite, check_section, fail, registry
+from fastgrpo.config.sections import (CheckpointConfig, DataConfig, EvalConfig, GRPOConfig, LogConfig, ModelConfig,
+                                      OptimConfig, ParallelConfig, RewardConfig, RolloutConfig)
+
+__all__ = ["RunConfig", "SFTConfig", "SFTOptions", "TrainConfig", "check_run_config"]
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """What every run (GRPO, SFT) has: its folder, length, seed and device, and the shared sections."""
+
+    name: str = "run"
+    """Run name: outputs go to <output_dir>/<name>/."""
+    output_dir: str = "runs"
+    """Parent folder of run folders."""
+    max_steps: int = 100
+    """Optimizer steps."""
+    seed: int = 0
+    """Global seed (model init of the tiny model, sampling, data order)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """'auto' (cuda if available), 'cpu' or 'cuda'."""
+    malloc_mmap_threshold: int = 1 << 20
+    """Linux/glibc: host allocations of at least this many bytes get their own mapping, returned to the system when
+    freed, instead of staying resident in malloc's heaps (fastgrpo.memory; 0 leaves malloc as it is; a
+    MALLOC_MMAP_THRESHOLD_ environment variable wins). At most 32 MiB."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+@dataclass(kw_only=True)
+class TrainConfig(RunConfig):
+    """A GRPO run: the shared sections plus rewards, rollout and the GRPO objective."""
+
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+    def validate(self) -> "TrainConfig":
+        check_run_config(self, head_backend_field="grpo.head_backend",
+                         sequence_level=self.grpo.importance_sampling_level == "sequence")
+        check(not self.checkpoint.export_merged or self.model.lora.enabled, "checkpoint.export_merged",
+              "merges LoRA adapters: set model.lora.rank > 0 (a full fine-tune's export_hf folder is already merged)")
+        check(not (self.model.lora.modules_to_save and self.rollout.engine == "vllm"
+                   and self.rollout.vllm.lora_sync == "adapter"), "rollout.vllm.lora_sync",
+              "'adapter' sends the LoRA matrices only, not model.lora.modules_to_save: use 'merged'")
+        return self
+
+
+def check_run_config(cfg: Any, *, head_backend_field: str, sequence_level: bool = False) -> Any:
+    """Validate a run config (TrainConfig, SFTConfig): its own fields, then every section's choices and checks,
+    then that the kernel path ``head_backend_field`` runs on the run's device (and serves a sequence-level ratio
+    when ``sequence_level``). Returns ``cfg``."""
+    import torch  # deferred: the config modules load without torch for --help-config
+
+    check_finite(cfg, "")
+    # The run folder is output_dir/name and nothing else: a name with a separator or '..' would write (and
+    # delete old checkpoints) outside output_dir.
+    check(bool(cfg.name) and cfg.name not in (".", "..") and not any(c in cfg.name for c in "/\\\0"),
+          "name", f"must be a plain folder name (no '/', '\\', '..'), got {cfg.name!r}")
+    check(cfg.max_steps >= 1, "max_steps", "must be >= 1")
+    check(0 <= cfg.malloc_mmap_threshold <= 32 << 20, "malloc_mmap_threshold",
+          f"must be in [0, {32 << 20}] bytes (glibc's limit), got {cfg.malloc_mmap_threshold}")
+    if cfg.device == "cuda":
+        check(torch.cuda.is_available(), "device",
+              "is 'cuda' but no CUDA device is available (torch.cuda.is_available() is False); use auto or cpu")
+    check_section(cfg, "")
+    from fastgrpo.kernels import check_backend, resolve_backend  # here: kernels import torch (and triton)
+
+    section, _, name = head_backend_field.partition(".")
+    backend = getattr(getattr(cfg, section), name)
+    try:  # the kernels own the rule of what each backend serves
+        check_backend(backend, sequence_level=sequence_level)
+    except ValueError as e:
+        fail(head_backend_field, str(e))
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:  # Triton paths need CUDA or the interpreter
+        resolve_backend(backend, device, needs_grad=True)
+    except ValueError as e:
+        fail(head_backend_field, f"{e}; use auto or torch on CPU")
+    return cfg
+
+
+@dataclass(kw_only=True)
+class SFTOptions:
+    batch_size: int = 32
+    """Sequences per optimizer step on each rank."""
+    normalization: str = field(default="token", metadata=registry("fastgrpo.losses:SFT_NORMALIZATIONS"))
+    """Loss average over the global batch: 'token' (every completion token weighs the same) or 'sequence' (the
+    token mean of each sequence, then the mean over sequences)."""
+    max_tokens_per_microbatch: int = 1024
+    """Token budget of one packed micro-batch (prompt + completion tokens); gradients accumulate across them."""
+    trace: str = field(default="steps", metadata=registry("fastgrpo.data.sft:TRACES"))
+    """data.source=countdown: how a solver's solution is written ('answer': equation only; 'steps': the
+    intermediate results, then the equation)."""
+    solution: str = field(default="first", metadata=registry("fastgrpo.data.sft:SOLUTIONS"))
+    """data.source=countdown: which solution a trace shows: 'first' (the solver's first) or 'random' (one drawn from
+    all of the problem's solutions)."""
+    near_miss: float = 0.0
+    """data.source=countdown: share of training traces that show an honest attempt missing the target by as little
+    as any, instead of a solution (held-out traces are solutions)."""
+    head_backend: str = field(default="auto", metadata=registry("fastgrpo.kernels:BACKENDS"))
+    """lm_head + loss kernel path, as grpo.head_backend."""
+    eval_reward: str | None = field(default=None, metadata=registry("fastgrpo.rewards:REWARDS", also=(None,)))
+    """A reward (fastgrpo.rewards.REWARDS name, e.g. 'countdown') that scores greedy completions of held-out
+    prompts at each evaluation, besides their loss; None = loss only."""
+
+    def validate(self, p: str) -> None:
+        check(self.batch_size >= 1, f"{p}.batch_size", "must be >= 1")
+        check(self.max_tokens_per_microbatch >= 1, f"{p}.max_tokens_per_microbatch", "must be >= 1")
+        check(0.0 <= self.near_miss <= 1.0, f"{p}.near_miss", f"must be in [0, 1], got {self.near_miss}")
+
+
+@dataclass(kw_only=True)
+class SFTConfig(RunConfig):
+    """An SFT run: the shared run sections plus the SFT options."""
+
+    name: str = "sft"
+    """Run name: outputs go to <output_dir>/<name>/."""
+    max_steps: int = 200
+    """Optimizer steps."""
+    sft: SFTOptions = field(default_factory=SFTOptions)
+
+    def validate(self) -> "SFTConfig":
+        return check_run_config(self, head_backend_field="sft.head_backend")

@@ -1,0 +1,403 @@
+"""The sections of a run config: one keyword-only dataclass per component, each checked by its ``validate(path)``
+(bad values raise ``ConfigError`` naming the dotted field). Every field has a one-line docstring, which
+``--help-config`` prints. Components take their own section, never the whole run config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastgrpo.config.loader import check, registry
+
+__all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "GRPOConfig", "HFRolloutConfig", "LogConfig", "LoraConfig",
+           "ModelConfig", "OptimConfig", "ParallelConfig", "RewardConfig", "RolloutConfig", "SEEDS_SYSTEM_PROMPT",
+           "VLLMRolloutConfig"]
+
+
+SEEDS_SYSTEM_PROMPT = (
+    "You are a helpful assistant. You first think about the reasoning process in your mind and then "
+    "provide the user with the answer."
+)
+
+
+_HEAD_NAMES = frozenset({"lm_head", "embed_tokens", "embed_out", "wte"})  # the head and the embeddings it may tie to
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters through peft (``pip install fastgrpo[lora]``); rank 0 trains every weight."""
+
+    rank: int = 0
+    """Adapter rank r; 0 = off (full fine-tuning)."""
+    alpha: float | None = None
+    """Scale numerator: adapters are scaled by alpha / rank; None = 2 * rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input during training, in [0, 1)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names (or name suffixes) that get adapters, or ['all-linear'] (every linear layer but lm_head)."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full beside the adapters (peft's modules_to_save, matched as name suffixes), e.g. ['norm']:
+    every RMSNorm; not the embeddings or lm_head."""
+
+    def validate(self, p: str) -> None:
+        check(self.rank >= 0, f"{p}.rank", "must be >= 0 (0 = off)")
+        check(self.alpha is None or self.alpha > 0, f"{p}.alpha", "must be > 0 or null")
+        check(0 <= self.dropout < 1, f"{p}.dropout", "must be in [0, 1)")
+        check(bool(self.target_modules) and all(self.target_modules), f"{p}.target_modules",
+              "must name at least one module (or be ['all-linear'])")
+        check(all(self.modules_to_save), f"{p}.modules_to_save", "names must be non-empty")
+        check(not self.modules_to_save or self.enabled, f"{p}.modules_to_save", "needs model.lora.rank > 0")
+        check(not any(m.split(".")[-1] in _HEAD_NAMES for m in self.modules_to_save), f"{p}.modules_to_save",
+              f"cannot hold {sorted(_HEAD_NAMES)}: the fused head kernels read lm_head.weight, which would bypass "
+              "a trained copy")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name_or_path: str = "tiny"
+    """'tiny' (the embedded model, built locally), a local folder, or a Hugging Face hub id (needs network)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights: 'auto' (CUDA: float32 masters, bfloat16 compute via FSDP2; CPU: float32), 'float32' or 'bfloat16'."""
+    attn_implementation: str = field(default="auto",
+                                     metadata=registry("fastgrpo.attention:ATTN_BACKENDS", also=("auto",)))
+    """'auto' picks flash_attention_2 > flex_attention (CUDA), else sdpa_varlen (sdpa per packed sequence); or name one."""
+    trust_remote_code: bool = False
+    """Passed to transformers when loading a hub model."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) to load."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Train low-rank adapters instead of every weight (off by default)."""
+
+    def validate(self, p: str) -> None:
+        check(bool(self.name_or_path), f"{p}.name_or_path", "must not be empty")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "countdown"
+    """'countdown' (seeded generator), 'toy' (the learning-test task), or a json/jsonl/parquet path or hub id."""
+    prompt_column: str = "prompt"
+    """File/hub data: the prompt column (a string, or a list of chat messages); every other column reaches the
+    reward functions as a keyword argument. Data without it is read by a preset: countdown {nums, target}, gsm8k
+    {question, answer}, math {problem, solution}."""
+    template: str = field(default="chat", metadata=registry("fastgrpo.data.templates:TEMPLATES"))
+    """Prompt template: 'chat' (the seeds' chat prompt), 'base' (plain text ending in '<think>') or 'compact' (the
+    bare problem, e.g. '3 5 4 -> 32': for the byte-level tiny models)."""
+    system_prompt: str = SEEDS_SYSTEM_PROMPT
+    """System message for the chat template."""
+    num_train: int = 10000
+    """Number of generated training problems (generator sources only)."""
+    num_eval: int = 64
+    """Number of held-out problems; never overlaps the training split."""
+    min_numbers: int = 3
+    """Countdown: fewest numbers in a problem."""
+    max_numbers: int = 4
+    """Countdown: most numbers in a problem."""
+    max_value: int = 99
+    """Countdown: largest number drawn (numbers are drawn from 1..max_value)."""
+    split: str = "train"
+    """Split to read from a hub/file dataset."""
+    eval_split: str | None = None
+    """Split used for evaluation; None carves num_eval held-out rows off the training split."""
+    skip_invalid_rows: bool = False
+    """Skip (and count) rows with a missing or ill-typed field instead of raising."""
+    seed: int = 0
+    """Seed for generation and for the per-rank prompt order."""
+
+    def validate(self, p: str) -> None:
+        check(self.num_train >= 1, f"{p}.num_train", "must be >= 1")
+        check(self.num_eval >= 0, f"{p}.num_eval", "must be >= 0")
+        check(2 <= self.min_numbers <= self.max_numbers <= 6, f"{p}.min_numbers",
+              "need 2 <= min_numbers <= max_numbers <= 6")
+        check(self.max_value >= 1, f"{p}.max_value", "must be >= 1")
+        check(bool(self.prompt_column), f"{p}.prompt_column", "must not be empty")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    funcs: list[str] = field(default_factory=lambda: ["format", "countdown"],
+                             metadata=registry("fastgrpo.rewards:REWARDS", plugins=True))
+    """Reward names from fastgrpo.rewards.REWARDS, or 'path/to/file.py:function' for your own."""
+    weights: list[float] | None = None
+    """One weight per reward function; None weighs each 1.0."""
+    sandbox: bool = True
+    """Run plugin files and 'math' in worker processes with a time bound; false runs all in the trainer (debugging)."""
+    num_workers: int = 2
+    """Reward worker processes per rank (at most one per sandboxed function is started)."""
+    timeout_s: float = 60.0
+    """Most seconds one sandboxed reward call (a function on a step's completions) may take; then it is killed."""
+    on_error: Literal["value", "raise"] = "value"
+    """A reward call that raises, times out, or returns a wrong length, a non-number or a non-finite value:
+    'value' scores the completions it affects on_error_value (counted in reward/<name>/errors); 'raise' stops."""
+    on_error_value: float = 0.0
+    """The reward a failed reward call gives each completion it affects (on_error: value)."""
+    kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Parameters per reward function, e.g. {cosine: {max_len: 512}, repetition: {n_grams: 4}} (keyed by name,
+    plugin spec or plugin function name); checked against the function's keyword parameters before any model loads."""
+
+    def validate(self, p: str) -> None:
+        check(len(self.funcs) >= 1, f"{p}.funcs", "need at least one reward function")
+        check(self.num_workers >= 1, f"{p}.num_workers", "must be >= 1")
+        check(self.timeout_s > 0, f"{p}.timeout_s", "must be > 0")
+        check(isinstance(self.kwargs, dict), f"{p}.kwargs", f"must be a mapping of reward name -> parameters, "
+              f"got {self.kwargs!r}")
+        for name, params in self.kwargs.items():
+            check(isinstance(params, dict), f"{p}.kwargs.{name}", f"must be a mapping of parameters, got {params!r}")
+        if self.weights is not None:
+            check(len(self.weights) == len(self.funcs), f"{p}.weights",
+                  f"has {len(self.weights)} weights for {len(self.funcs)} reward functions {self.funcs}")
+
+
+@dataclass(kw_only=True)
+class HFRolloutConfig:
+    """The transformers engine (``rollout.engine=hf``): KV-cached decoding on the live policy."""
+
+    batch_size: int = 64
+    """Most sequences generated at once."""
+    decode: Literal["auto", "lean", "transformers"] = "auto"
+    """Decode step: 'lean' (fastgrpo.rollout.lean_decode; Qwen2/Llama, unsharded, no adapters), 'transformers' (the
+    model's forward), or 'auto' (lean where the model supports it)."""
+
+    def validate(self, p: str) -> None:
+        check(self.batch_size >= 1, f"{p}.batch_size", f"must be >= 1, got {self.batch_size}")
+
+
+@dataclass(kw_only=True)
+class VLLMRolloutConfig:
+    """The colocated vLLM engine (``rollout.engine=vllm``): one in-process ``vllm.LLM`` per rank."""
+
+    gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory for the engine (weights + KV cache); it must fit in what is free when it starts."""
+    max_model_len: int | None = None
+    """Context length; None = a bound on the longest prompt (both splits) + max_completion_length."""
+    enforce_eager: bool = False
+    """Skip CUDA-graph / compile warm-up (faster start, slower decode; on CPU start-up 15 s -> 2 s)."""
+    enable_prefix_caching: bool = True
+    """Reuse the prompt's KV cache across its G samples."""
+    sleep_level: Literal[0, 1, 2] = 1
+    """0 = never sleep, 1 = free the KV cache during the update (weights offloaded), 2 = also drop the weights.
+    CUDA only: a no-op on CPU."""
+    sync_bucket_mb: int = 512
+    """Weight-sync bucket size in MB (full tensors gathered per bucket, never splitting a transformer block)."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """With model.lora: 'merged' streams W + scale * B @ A per layer (the engine decodes a plain model); 'adapter'
+    sends only the adapters to vLLM's LoRA support (less to send, slower decoding; RESULTS.md)."""
+
+    def validate(self, p: str) -> None:
+        check(0 < self.gpu_memory_utilization < 1, f"{p}.gpu_memory_utilization",
+              f"must be in (0, 1), got {self.gpu_memory_utilization}")
+        check(self.max_model_len is None or self.max_model_len >= 2, f"{p}.max_model_len",
+              f"must be >= 2 or null, got {self.max_model_len}")
+        check(self.sync_bucket_mb >= 1, f"{p}.sync_bucket_mb", f"must be >= 1, got {self.sync_bucket_mb}")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    engine: str = field(default="hf", metadata=registry("fastgrpo.rollout:ENGINES"))
+    """Rollout engine (fastgrpo.rollout.ENGINES): 'hf' (KV-cached decode on the live policy) or 'vllm' (colocated);
+    each engine is built from its own sub-section below."""
+    max_completion_length: int = 256
+    """Most new tokens per completion."""
+    temperature: float = 1.0
+    """Sampling temperature; the loss uses the same temperature for its log-probs."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    importance_sampling_cap: float | None = None
+    """Token-level truncated importance-sampling correction of sampler/trainer mismatch, weight capped here (2.0
+    is common); None = off. TRL's current default masks whole sequences instead, with cap 3."""
+    hf: HFRolloutConfig = field(default_factory=HFRolloutConfig)
+    """Options of the 'hf' engine."""
+    vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
+    """Options of the 'vllm' engine."""
+
+    def validate(self, p: str) -> None:
+        check(self.max_completion_length > 0, f"{p}.max_completion_length", "must be > 0")
+        check(self.temperature > 0, f"{p}.temperature", "must be > 0")
+        check(0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
+        check(self.importance_sampling_cap is None or self.importance_sampling_cap >= 1,
+              f"{p}.importance_sampling_cap", "must be >= 1 or null")
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    prompts_per_step: int = 8
+    """B: prompts per optimizer step (per rank)."""
+    num_generations: int = 8
+    """G: completions per prompt."""
+    loss_type: str = field(default="dapo", metadata=registry("fastgrpo.losses:LOSS_TYPES"))
+    """grpo | dapo (alias bnpo) | dr_grpo: how per-token losses are normalised over the global batch."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage scaling: 'group' (divide by group std), 'batch' (by batch std) or 'none' (Dr. GRPO)."""
+    beta: float = 0.0
+    """KL weight (k3 estimator) against a frozen reference model; 0 loads no reference model."""
+    epsilon_low: float = 0.2
+    """Lower clip range: ratio clipped at 1 - epsilon_low."""
+    epsilon_high: float = 0.2
+    """Upper clip range: ratio clipped at 1 + epsilon_high (DAPO clip-higher: 0.28)."""
+    delta: float | None = None
+    """Two-sided clipping: clamp the unclipped ratio at delta (TRL's delta); None = off."""
+    num_iterations: int = 1
+    """Policy updates per rollout batch (mu); > 1 uses stored old log-probs."""
+    max_tokens_per_microbatch: int | None = None
+    """Token budget of one packed micro-batch; gradients are accumulated across micro-batches. None: 1024 on a CPU
+    (activations set host memory there, and smaller rows cost no speed: benchmarks/RESULTS.md), 4096 on CUDA."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """'token' (GRPO: one ratio per token) or 'sequence' (GSPO: exp(mean over the sequence of logp - old), shared by
+    its tokens, clipped at sequence_epsilon_low / sequence_epsilon_high)."""
+    sequence_epsilon_low: float = 3e-4
+    """Sequence level (GSPO): lower clip range of the sequence ratio (GSPO's paper: 3e-4)."""
+    sequence_epsilon_high: float = 4e-4
+    """Sequence level (GSPO): upper clip range of the sequence ratio (GSPO's paper: 4e-4)."""
+    mask_truncated_completions: bool = False
+    """DAPO's overlong filtering: completions cut at max_completion_length get no loss (and, for dapo, do not count
+    in the token normaliser); their rewards still shape the group's advantages."""
+    top_entropy_quantile: float = 1.0
+    """TRL's entropy mask: only tokens whose policy entropy is in the top fraction q of this rank's batch get loss
+    (0.2 = the 20% most uncertain tokens); 1.0 = all tokens. Costs one no-grad forward pass when < 1."""
+    sil_top_k: int = 0
+    """Self-imitation (easy-GRPO's 'sil'): the k best completions of each group (above the group mean, or at least
+    sil_min_reward) get an extra supervised term sil_coef * w * -logp; 0 = off."""
+    sil_coef: float = 0.1
+    """Weight of the self-imitation term (added to those completions' advantages: exact at num_iterations 1)."""
+    sil_min_reward: float | None = None
+    """Self-imitation: reward a completion needs to be imitated; None = strictly above its group's mean."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the batch has
+    prompts_per_step groups (at most dynamic_sampling_max_rounds extra rounds; then train on what was kept)."""
+    dynamic_sampling_max_rounds: int = 4
+    """Most extra rollout rounds per step for dynamic sampling."""
+    head_backend: str = field(default="auto", metadata=registry("fastgrpo.kernels:BACKENDS"))
+    """lm_head + loss kernel path (fastgrpo.kernels): 'auto' (cublas on CUDA, torch on CPU); 'cublas' (gradient
+    formed in forward, three products, bf16 logits as in TRL); 'triton' (float32 logits recomputed in backward:
+    more precise, one product more); 'torch' (chunked, any device)."""
+
+    def validate(self, p: str) -> None:
+        check(self.prompts_per_step >= 1, f"{p}.prompts_per_step", "must be >= 1")
+        check(self.num_generations >= 2, f"{p}.num_generations",
+              f"must be >= 2 (group statistics need two samples), got {self.num_generations}")
+        check(self.beta >= 0, f"{p}.beta", "must be >= 0")
+        check(0 <= self.epsilon_low < 1, f"{p}.epsilon_low", "must be in [0, 1)")
+        check(self.epsilon_high >= 0, f"{p}.epsilon_high", "must be >= 0")
+        check(self.delta is None or self.delta > 1 + self.epsilon_high, f"{p}.delta",
+              "must exceed 1 + epsilon_high")
+        check(self.num_iterations >= 1, f"{p}.num_iterations", "must be >= 1")
+        check(self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 1,
+              f"{p}.max_tokens_per_microbatch", "must be >= 1 (or null: the device's default)")
+        check(0 <= self.sequence_epsilon_low < 1, f"{p}.sequence_epsilon_low", "must be in [0, 1)")
+        check(self.sequence_epsilon_high >= 0, f"{p}.sequence_epsilon_high", "must be >= 0")
+        check(0 < self.top_entropy_quantile <= 1, f"{p}.top_entropy_quantile", "must be in (0, 1]")
+        check(0 <= self.sil_top_k <= self.num_generations, f"{p}.sil_top_k",
+              f"must be in [0, num_generations={self.num_generations}]")
+        check(self.sil_coef >= 0, f"{p}.sil_coef", "must be >= 0")
+        check(self.dynamic_sampling_max_rounds >= 0, f"{p}.dynamic_sampling_max_rounds", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear warm-up, in optimizer updates (max_steps * grpo.num_iterations in all), up to lr."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: 'constant' or 'cosine' (down to min_lr_ratio * lr at the last optimizer update)."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of lr."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables."""
+    max_nonfinite_steps: int = 3
+    """An update with a NaN/inf loss or gradient is skipped (counted in policy/skipped_updates); this many in a row
+    stop the run with an error."""
+
+    def validate(self, p: str) -> None:
+        check(self.lr > 0 and math.isfinite(self.lr), f"{p}.lr", f"must be > 0, got {self.lr}")
+        check(self.weight_decay >= 0, f"{p}.weight_decay", "must be >= 0")
+        check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{p}.betas",
+              "must be two numbers in [0, 1)")
+        check(self.warmup_steps >= 0, f"{p}.warmup_steps", "must be >= 0")
+        check(0 <= self.min_lr_ratio <= 1, f"{p}.min_lr_ratio", "must be in [0, 1]")
+        check(self.max_grad_norm >= 0, f"{p}.max_grad_norm", "must be >= 0")
+        check(self.max_nonfinite_steps >= 1, f"{p}.max_nonfinite_steps", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    fsdp: bool = True
+    """FSDP2 (fully_shard per block + root) with world size > 1, and on CUDA with one GPU too (mixed precision)."""
+    param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """FSDP2 mixed precision: dtype of gathered parameters on CUDA (CPU always computes in float32)."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP2 mixed precision: dtype of gradient reductions."""
+    cpu_offload: bool = False
+    """FSDP2 CPU offload of parameters, gradients and optimizer state."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass."""
+    compile: bool = False
+    """torch.compile each transformer block."""
+
+    def validate(self, p: str) -> None:
+        pass  # its choices are Literal fields, checked with every section's
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save every N steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Keep the last K checkpoints."""
+    resume: str = "auto"
+    """'auto' resumes from the newest checkpoint in the run folder, 'never', or a checkpoint path."""
+    export_hf: bool = True
+    """Write a Hugging Face folder (safetensors, config, tokenizer) at the end; with LoRA, a peft adapter folder."""
+    overwrite: bool = False
+    """With resume: never, allow starting over in a run folder that holds a run (its checkpoints and logs go)."""
+    export_merged: bool = False
+    """With LoRA: also write <run>/final_merged, the base model with the adapters merged in (Hugging Face folder)."""
+
+    def validate(self, p: str) -> None:
+        check(self.every >= 0, f"{p}.every", "must be >= 0")
+        check(self.keep_last >= 1, f"{p}.keep_last", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    every: int = 0
+    """Evaluate every N steps on held-out prompts (0 = only at the end; -1 = never)."""
+    num_prompts: int = 32
+    """Held-out prompts per evaluation."""
+    best_of_n: int = 4
+    """Samples per prompt for best-of-n accuracy (1 = greedy only)."""
+    temperature: float = 1.0
+    """Sampling temperature for best-of-n."""
+    at_start: bool = False
+    """Also evaluate before the first step (logged as step 0), so that a run shows where it started."""
+
+    def validate(self, p: str) -> None:
+        check(self.every >= -1, f"{p}.every", "must be >= -1")
+        check(self.num_prompts >= 1, f"{p}.num_prompts", "must be >= 1")
+        check(self.best_of_n >= 1, f"{p}.best_of_n", "must be >= 1")
+        check(self.temperature > 0, f"{p}.temperature", "must be > 0")
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    report_to: list[str] = field(default_factory=lambda: ["jsonl"], metadata=registry("fastgrpo.metrics:SINKS"))
+    """Metric sinks besides the progress bar: 'jsonl', 'wandb'."""
+    wandb_project: str = "fastgrpo"
+    """wandb project name."""
+    completions_per_step: int = 4
+    """Completions sampled into completions.jsonl each step."""
+    progress: bool = True
+    """Show a progress bar (rank 0 only)."""
+
+    def validate(self, p: str) -> None:
+        check(self.completions_per_step >= 0, f"{p}.completions_per_step", "must be >= 0")

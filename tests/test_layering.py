@@ -1,0 +1,129 @@
+"""The import graph of fastgrpo (module-level and function-level imports alike) has no circle.
+
+A function-level import that only dodges a circle hides it: moving a function then breaks at run time rather than
+at import. So the graph is read from the source (``ast``), every ``import`` statement wherever it stands, and any
+strongly connected component of more than one module fails the test with the modules it contains.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# import name -> source folder (kernels/ installs as fastgrpo.kernels, see setup.py)
+PACKAGES = {"fastgrpo": ROOT / "fastgrpo", "fastgrpo.kernels": ROOT / "kernels"}
+
+
+def _modules(packages: dict[str, Path]) -> dict[str, Path]:
+    mods = {}
+    for name, folder in packages.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join([name, *parts])] = path
+    return mods
+
+
+def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, mods: dict[str, Path],
+             roots: tuple[str, ...]) -> list[str]:
+    """The project modules one import statement loads (``from pkg import sub`` loads pkg.sub when it is one)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        if node.level:
+            base = module.split(".")[: len(module.split(".")) - (0 if is_package else 1)]
+            base = base[: len(base) - (node.level - 1)]
+            source = ".".join([*base, *([node.module] if node.module else [])])
+        else:
+            source = node.module or ""
+        names = [f"{source}.{a.name}" if f"{source}.{a.name}" in mods else source for a in node.names]
+    out = []
+    for name in names:
+        if not name.startswith(roots):
+            continue
+        while name not in mods and "." in name:  # `import fastgrpo.x.attr` -> the module fastgrpo.x
+            name = name.rpartition(".")[0]
+        if name in mods and name != module:
+            out.append(name)
+    return out
+
+
+def import_graph(packages: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports anywhere in its source (top level or inside functions)."""
+    mods = _modules(packages)
+    roots = tuple(packages)
+    graph = {}
+    for module, path in mods.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges.update(_targets(module, path.name == "__init__.py", node, mods, roots))
+        graph[module] = edges
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_fastgrpo_imports_have_no_circle():
+    graph = import_graph(PACKAGES)
+    assert len(graph) > 50 and graph["fastgrpo.trainer"], "the graph was not read"
+    assert circles(graph) == []
+
+
+def test_config_is_the_bottom_layer():
+    """The config package imports no other fastgrpo module at import time (its one function-level import, the
+    kernels' backend check, runs when a config is validated)."""
+    graph = import_graph(PACKAGES)
+    for module in (m for m in graph if m.startswith("fastgrpo.config")):
+        assert graph[module] <= {m for m in graph if m.startswith("fastgrpo.config")} | {"fastgrpo.kernels"}, module
+
+
+def test_a_planted_circle_is_found_also_through_a_function_level_import(tmp_path):
+    pkg = tmp_path / "demo"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from demo.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import g\n    return g\n")  # relative, in a function
+    (pkg / "c.py").write_text("import demo.a\n")
+    (pkg / "d.py").write_text("from demo import a\n")  # imports into the circle, not part of it
+    graph = import_graph({"demo": pkg})
+    assert graph["demo.sub.b"] == {"demo.c"}
+    assert circles(graph) == [["demo.a", "demo.c", "demo.sub.b"]]
+    (pkg / "c.py").write_text("")
+    assert circles(import_graph({"demo": pkg})) == []
