@@ -20,8 +20,9 @@ are counted, phase by phase:
                  metrics) until clipping; TRL: each training_step (generation excluded)
     clip         gradient clipping;  optimizer: optimizer.step();  attention: the attention function, per layer
 
-fastgrpo runs at two micro-batch token budgets (``--budgets``), TRL at ``--trl-micro-batch`` sequences per
-micro-batch (its default 8), so that syncs that grow with the number of micro-batches show.
+TRL runs at ``--trl-micro-batch`` sequences per micro-batch (its default 8); fastgrpo at the token budgets of
+``--budgets``: two (1024, its CPU default, and 256), so that syncs that grow with the number of micro-batches show,
+and TRL's micro-batch in tokens (8 sequences of P + L tokens), so that both run as many micro-batches.
 
     make bench-env                                                 # once: .venv-bench (TRL 1.16.0)
     .venv-bench/bin/python benchmarks/count_ops.py                 # both works, both trainers: ~10 min on 2 cores
@@ -300,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--works", default=",".join(COUNT_WORKS), help=f"comma list of {list(COUNT_WORKS)}")
     ap.add_argument("--sides", default="fastgrpo,trl")
-    ap.add_argument("--budgets", default="1024,256", help="fastgrpo grpo.max_tokens_per_microbatch values")
+    ap.add_argument("--budgets", default="1024,256,trl",
+                    help="fastgrpo grpo.max_tokens_per_microbatch values; 'trl': the tokens of TRL's (first) micro-batch, "
+                         "so that both run as many micro-batches")
     ap.add_argument("--trl-micro-batch", default="8", help="TRL per_device_train_batch_size values (divide B*G)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=1, help="counted steps per run")
@@ -324,13 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.workdir or Path(os.environ.get("FASTGRPO_CACHE", Path.home() / ".cache" / "fastgrpo"))
                 / "count-ops")
     sides = args.sides.split(",")
-    settings = {"fastgrpo": [int(b) for b in args.budgets.split(",")],
-                "trl": [int(m) for m in args.trl_micro_batch.split(",")]}
+    trl_mbs = [int(m) for m in args.trl_micro_batch.split(",")]
     prep = argparse.Namespace(seed=args.seed, engine="hf", trl_micro_batch=8, steps=args.steps, warmup=args.warmup)
     results, rows = [], []
     for name in args.works.split(","):
         work = COUNT_WORKS[name]
         spec = prepare(replace(work, warmup=args.warmup, steps=args.steps), prep, root, "cpu")
+        seq_tokens = spec["prompt_len"] + spec["max_completion_length"]
+        settings = {"fastgrpo": [trl_mbs[0] * seq_tokens if b == "trl" else int(b) for b in args.budgets.split(",")],
+                    "trl": trl_mbs}
         for side in sides:
             for setting in settings[side]:
                 run = run_child(side, {**spec, "run_dir": str(root / "runs" / name / side)}, setting,

@@ -11,7 +11,6 @@ import torch
 import dist_helpers as dh  # tests/ is on sys.path (pytest rootdir-relative import)
 from fastgrpo import lora
 from fastgrpo.config import ConfigError, LoraConfig, ParallelConfig, load_config
-from fastgrpo.kernels import linear_logprobs
 from fastgrpo.parallelize import parallelize_model
 from fastgrpo.policy_state import hf_name, iter_policy_tensors
 from fastgrpo.update import packed_logprobs, plan_packed

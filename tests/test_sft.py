@@ -1,5 +1,5 @@
-"""SFT (fastgrpo.sft): the packed loss is the unpadded one, the loss falls, a killed run resumes exactly, and the
-embedded warm model is built by the recipe (with a stand-in budget) and cached by its hash."""
+"""SFT (fastgrpo.sft): the packed loss is the unpadded one, the loss falls, a killed run resumes exactly, and config
+errors name the field (the warm model built by an SFT recipe: test_warm.py)."""
 
 import json
 import random
@@ -99,46 +99,3 @@ def test_sft_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="sft.near_miss"):
         load_config(None, ["sft.near_miss=1.5"], cls=SFTConfig)
 
-
-def test_warm_model_is_built_once_by_its_recipe_and_keyed_by_its_hash(tmp_path, monkeypatch):
-    from fastgrpo import warm
-
-    # A stand-in budget (2 steps of 8) in a private cache: the full recipe takes minutes.
-    path = warm.build_warm("countdown", cache_dir=tmp_path, overrides=["max_steps=2", "sft.batch_size=8",
-                                                                        "data.num_train=32", "checkpoint.every=0"])
-    assert path == warm.warm_folder("countdown", tmp_path) and (path / "model.safetensors").is_file()
-    assert warm.build_warm("countdown", cache_dir=tmp_path) == path  # cached: no second build
-    monkeypatch.setitem(warm.WARM_RECIPES, "countdown", warm.WARM_RECIPES["countdown"] + ["optim.lr=1e-4"])
-    assert warm.warm_folder("countdown", tmp_path) != path  # a changed recipe is another folder
-    with pytest.raises(ValueError, match="tiny:countdown"):
-        warm.recipe_config("nope")
-
-
-def test_warm_model_weights_do_not_depend_on_the_callers_thread_count(tmp_path, monkeypatch):
-    import hashlib
-
-    from fastgrpo import warm
-
-    # 3 steps of 64 rows: enough for 1 and 2 torch threads to round differently when the build is not pinned.
-    stand_in = ["max_steps=3", "data.num_train=192", "checkpoint.every=0"]
-    digests = []
-    for threads in ("1", "2"):
-        monkeypatch.setenv("OMP_NUM_THREADS", threads)
-        path = warm.build_warm("countdown", cache_dir=tmp_path / threads, overrides=stand_in)
-        digests.append(hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest())
-    assert digests[0] == digests[1]
-
-
-def test_the_demo_evaluates_on_problems_the_warm_models_sft_never_saw():
-    from pathlib import Path
-
-    from fastgrpo.data import build_datasets, problem_key
-    from fastgrpo.warm import recipe_config
-
-    demo = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-    assert demo.model.name_or_path == "tiny:countdown"
-    sft_train, _, _ = build_datasets(recipe_config("countdown").data)  # the problems the SFT recipe trains on
-    grpo_train, held_out, _ = build_datasets(demo.data)
-    assert len(held_out) >= 64
-    held_out_keys = {problem_key(r) for r in held_out}
-    assert held_out_keys.isdisjoint(problem_key(r) for r in sft_train + grpo_train)

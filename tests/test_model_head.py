@@ -1,4 +1,5 @@
-"""Issue 15, item 7: models whose logits are not ``hidden @ lm_head.weight.T`` are refused on the training path.
+"""fastgrpo.model.check_plain_head: models whose logits are not ``hidden @ lm_head.weight.T`` are refused on the
+training path.
 
 The fused lm_head kernels only see hidden states and the head weight. With Gemma-2's final logit softcapping (or
 a logit scale, or an lm_head bias) the trainer would train on wrong log-probs with no error. The trainer therefore

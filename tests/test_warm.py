@@ -1,0 +1,46 @@
+"""fastgrpo.warm: the embedded warm model is built by its SFT recipe (here with a stand-in budget), cached by its
+hash, the same whatever the caller's thread count, and the demo evaluates on problems its SFT never saw."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from fastgrpo import warm
+from fastgrpo.config import load_config
+from fastgrpo.data import build_datasets, problem_key
+
+
+def test_warm_model_is_built_once_by_its_recipe_and_keyed_by_its_hash(tmp_path, monkeypatch):
+    # A stand-in budget (2 steps of 8) in a private cache: the full recipe takes minutes.
+    path = warm.build_warm("countdown", cache_dir=tmp_path, overrides=["max_steps=2", "sft.batch_size=8",
+                                                                        "data.num_train=32", "checkpoint.every=0"])
+    assert path == warm.warm_folder("countdown", tmp_path) and (path / "model.safetensors").is_file()
+    assert warm.build_warm("countdown", cache_dir=tmp_path) == path  # cached: no second build
+    monkeypatch.setitem(warm.WARM_RECIPES, "countdown", warm.WARM_RECIPES["countdown"] + ["optim.lr=1e-4"])
+    assert warm.warm_folder("countdown", tmp_path) != path  # a changed recipe is another folder
+    with pytest.raises(ValueError, match="tiny:countdown"):
+        warm.recipe_config("nope")
+
+
+def test_warm_model_weights_do_not_depend_on_the_callers_thread_count(tmp_path, monkeypatch):
+    # 3 steps of 64 rows: enough for 1 and 2 torch threads to round differently when the build is not pinned.
+    stand_in = ["max_steps=3", "data.num_train=192", "checkpoint.every=0"]
+    digests = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
+        path = warm.build_warm("countdown", cache_dir=tmp_path / threads, overrides=stand_in)
+        digests.append(hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest())
+    assert digests[0] == digests[1]
+
+
+def test_the_demo_evaluates_on_problems_the_warm_models_sft_never_saw():
+    demo = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    assert demo.model.name_or_path == "tiny:countdown"
+    sft_train, _, _ = build_datasets(warm.recipe_config("countdown").data)  # the problems the SFT recipe trains on
+    grpo_train, held_out, _ = build_datasets(demo.data)
+    assert len(held_out) >= 64
+    held_out_keys = {problem_key(r) for r in held_out}
+    assert held_out_keys.isdisjoint(problem_key(r) for r in sft_train + grpo_train)
