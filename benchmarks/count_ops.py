@@ -240,6 +240,7 @@ def _summary(counter: OpCounter, spec: dict, *, micro_batches: int, generated_to
     phases["update"] = per_step("step", without=("rollout",))
     phases["microbatch"] = per_step("microbatch", without=("rollout",))
     phases["update_attention"] = per_step("attention", without=("rollout",))
+    phases["update_backward"] = per_step("backward", without=("rollout",))
     n_mb = micro_batches / k
     tokens = generated_tokens / k
     return {
@@ -252,7 +253,7 @@ def _summary(counter: OpCounter, spec: dict, *, micro_batches: int, generated_to
                                              ("rollout", "rollout", ()))},
         "sync_sites": {name: {site: n / k for site, n in counter.by_name(p, "sync_sites", without=w).most_common()}
                        for name, p, w in (("update", "step", ("rollout",)), ("rollout", "rollout", ()))},
-        "update_top_ops": dict(counter.by_name("step", "ops", without=("rollout",)).most_common(25)),
+        "update_ops_by_name": {op: n / k for op, n in counter.by_name("step", "ops", without=("rollout",)).most_common()},
     }
 
 

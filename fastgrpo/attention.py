@@ -9,6 +9,7 @@ with; the packed forward asks :func:`packed_attention_inputs` for the extra trun
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,6 +48,7 @@ def _runs_anywhere(device: torch.device) -> None:
 #   re-derives them from position_ids in every layer with a device->host sync.
 # - sdpa: an explicit [1, 1, T, T] boolean block-causal mask (True = attend). Same mask transformers would
 #   build, without the host sync in its packing check and without relying on that check across versions.
+# - torch_varlen and sdpa_varlen (fastgrpo's own): cu_seqlens + max_seqlen, as for flash-attn.
 # - eager and flex_attention: position_ids only; transformers builds the additive mask / the BlockMask.
 # Models with sliding-window layers also use position_ids only: one explicit mask would ignore the window.
 
@@ -124,6 +126,60 @@ def _sequence_starts(position_ids: torch.Tensor | None, length: int) -> list[int
     return [0, *(restart[0].nonzero().squeeze(1) + 1).tolist(), length]
 
 
+def _torch_varlen_available() -> bool:
+    """torch ships FlashAttention's varlen kernel as ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10)."""
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+def _needs_torch_varlen(device: torch.device) -> None:
+    if not _torch_varlen_available():
+        raise ImportError(f"model.attn_implementation=torch_varlen needs torch.nn.attention.varlen (torch >= 2.10); "
+                          f"this is torch {torch.__version__}: choose 'auto' or 'sdpa_varlen'")
+    if device.type != "cuda":
+        raise ValueError(f"model.attn_implementation: torch_varlen runs on CUDA only, not on {device.type}")
+
+
+def _varlen_call_options(varlen_attn: Callable, window: int | None, gqa: bool) -> dict[str, Any]:
+    """Keyword arguments for causal attention across torch versions: 2.10-2.11 take ``is_causal``, later ones a
+    ``window_size`` ((-1, 0) = causal); GQA is native where ``enable_gqa`` exists (else the caller repeats kv)."""
+    params = inspect.signature(varlen_attn).parameters
+    options: dict[str, Any] = {}
+    if "window_size" in params:
+        options["window_size"] = (-1 if window is None else window - 1, 0)
+    else:
+        options["is_causal"] = True
+    if gqa and "enable_gqa" in params:
+        options["enable_gqa"] = True
+    return options
+
+
+def _torch_varlen(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function of ``"torch_varlen"``: a packed row through torch's own FlashAttention
+    varlen kernel, one launch per layer whatever the number of sequences, with no host sync (the boundaries stay
+    on the device as ``cu_seq_lens_q`` int32, the longest length is a host int from the packing plan).
+
+    query ``[1, Hq, T, d]``, key / value ``[1, Hkv, T, d]`` -> ``[1, T, Hq, d]``. FlashAttention computes in
+    bfloat16 / float16 only: a float32 forward, or one without the packed row's boundaries (a plain forward,
+    e.g. the head probe), runs :func:`_sdpa_per_sequence` instead, which gives the same causal attention.
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or query.dtype not in (torch.bfloat16, torch.float16) or dropout:
+        return _sdpa_per_sequence(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                                  **kwargs)
+    from torch.nn.attention.varlen import varlen_attn
+
+    gqa = query.shape[1] != key.shape[1]
+    options = _varlen_call_options(varlen_attn, sliding_window, gqa)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, d]
+    if gqa and "enable_gqa" not in options:
+        k, v = (t.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for t in (k, v))
+    max_len = int(kwargs["max_length_q"])
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, **options)  # [T, Hq, d]
+    return out[None], None
+
+
 def _sdpa_varlen_mask(*, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None, **_) -> None:
     """transformers mask function of ``"sdpa_varlen"``: builds nothing (the attention needs only the boundaries),
     but refuses what per-sequence causal attention would get wrong: padding, and a KV cache (decoding)."""
@@ -137,13 +193,15 @@ def _sdpa_varlen_mask(*, q_length: int, kv_length: int, attention_mask: torch.Te
 
 
 def register_with_transformers() -> None:
-    """Make fastgrpo's own attention implementations (``"sdpa_varlen"``) known to transformers; idempotent.
+    """Make fastgrpo's own attention implementations (``"sdpa_varlen"``, ``"torch_varlen"``) known to transformers; idempotent.
     ``load_model`` calls it; call it before building a model from a config with one of them."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register("sdpa_varlen", _sdpa_per_sequence)
     AttentionMaskInterface.register("sdpa_varlen", _sdpa_varlen_mask)
+    AttentionInterface.register("torch_varlen", _torch_varlen)
+    AttentionMaskInterface.register("torch_varlen", _sdpa_varlen_mask)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,19 +232,26 @@ register_attn_backend("sdpa", AttnBackend(packed_inputs=_sdpa_inputs))
 # sdpa per sequence of a packed row (see _sdpa_per_sequence): the CPU default; decoding needs sdpa's masks.
 register_attn_backend("sdpa_varlen", AttnBackend(packed_inputs=_varlen_inputs, decode_with="sdpa"))
 register_attn_backend("eager", AttnBackend())
+# torch's FlashAttention varlen kernel (CUDA, bf16/fp16): the CUDA default without flash-attn; decodes with sdpa.
+register_attn_backend("torch_varlen", AttnBackend(check=_needs_torch_varlen, packed_inputs=_varlen_inputs,
+                                                  decode_with="sdpa"))
 
 
 def choose_attn_implementation(requested: str, device: torch.device | str) -> str:
     """Resolve ``model.attn_implementation`` to a transformers backend name for ``device``.
 
-    'auto' -> flash_attention_2 when flash-attn is installed and the device is CUDA, else flex_attention on
-    CUDA, else sdpa_varlen (sdpa per sequence of a packed row: no [T, T] mask). An explicit name is checked (flash_attention_2 without flash-attn raises ImportError
-    saying how to install it) and returned unchanged.
+    'auto' on CUDA -> flash_attention_2 when flash-attn is installed, else torch_varlen (torch's own FlashAttention
+    varlen kernel, torch >= 2.10), else sdpa_varlen; elsewhere sdpa_varlen (sdpa per sequence of a packed row: no
+    [T, T] mask). Never flex_attention: its kernels are compiled per shape, and a packed row of a new length
+    compiles again (name it explicitly to use it). An explicit name is checked (flash_attention_2 without
+    flash-attn raises ImportError saying how to install it) and returned unchanged.
     """
     device = torch.device(device)
     if requested == "auto":
         if device.type == "cuda":
-            return "flash_attention_2" if _flash_attn_installed() else "flex_attention"
+            if _flash_attn_installed():
+                return "flash_attention_2"
+            return "torch_varlen" if _torch_varlen_available() else "sdpa_varlen"
         return "sdpa_varlen"
     if requested not in ATTN_BACKENDS:
         raise ValueError(f"model.attn_implementation: unknown backend {requested!r} "

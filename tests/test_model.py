@@ -135,15 +135,81 @@ def test_auto_dtype_is_bf16_on_cuda_fp32_on_cpu():
         resolve_dtype("int8", CPU)
 
 
-@pytest.mark.parametrize("flash,device,expected", [
-    (True, CUDA, "flash_attention_2"),
-    (False, CUDA, "flex_attention"),
-    (True, CPU, "sdpa_varlen"),
-    (False, CPU, "sdpa_varlen"),
+@pytest.mark.parametrize("flash,varlen,device,expected", [
+    (True, True, CUDA, "flash_attention_2"),
+    (False, True, CUDA, "torch_varlen"),  # never flex: compiled per shape, a new packed length compiles again
+    (False, False, CUDA, "sdpa_varlen"),
+    (True, True, CPU, "sdpa_varlen"),
+    (False, False, CPU, "sdpa_varlen"),
 ])
-def test_auto_attention_backend(monkeypatch, flash, device, expected):
+def test_auto_attention_backend(monkeypatch, flash, varlen, device, expected):
     monkeypatch.setattr(attention_lib, "_flash_attn_installed", lambda: flash)
+    monkeypatch.setattr(attention_lib, "_torch_varlen_available", lambda: varlen)
     assert choose_attn_implementation("auto", device) == expected
+
+
+def test_torch_varlen_runs_on_cuda_only_and_says_what_it_needs(monkeypatch):
+    monkeypatch.setattr(attention_lib, "_torch_varlen_available", lambda: True)
+    with pytest.raises(ValueError, match="CUDA"):
+        choose_attn_implementation("torch_varlen", CPU)
+    monkeypatch.setattr(attention_lib, "_torch_varlen_available", lambda: False)
+    with pytest.raises(ImportError, match="torch.nn.attention.varlen"):
+        choose_attn_implementation("torch_varlen", CUDA)
+
+
+def _packed_qkv(dtype, hq=4, hkv=2, d=8, lengths=(5, 1, 7)):
+    g = torch.Generator().manual_seed(0)
+    t = sum(lengths)
+    q, k, v = (torch.randn(1, h, t, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+
+
+@pytest.mark.parametrize("new_signature", [True, False])
+def test_torch_varlen_lays_out_a_packed_row_as_the_per_sequence_attention(monkeypatch, new_signature):
+    """The kernel itself needs CUDA; here a stand-in with its contract ([T, H, d] tensors, cu_seq int32, causal by
+    window_size=(-1, 0) in torch >= 2.12 or is_causal=True in 2.10-2.11, GQA native or repeated) checks the layout
+    that _torch_varlen hands it, against sdpa per sequence."""
+    import torch.nn.attention.varlen as varlen_mod
+
+    seen = {}
+
+    def reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, **causal):  # q [T, Hq, d], k/v [T, Hk, d]
+        seen.update(causal, max_q=max_q, hk=k.shape[1])
+        bounds = cu_q.tolist()
+        gqa = q.shape[1] != k.shape[1]
+        outs = [torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1).float(), k[a:b].transpose(0, 1).float(), v[a:b].transpose(0, 1).float(),
+            is_causal=True, scale=scale, enable_gqa=gqa).transpose(0, 1) for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(outs).to(q.dtype)
+
+    if new_signature:
+        def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+            assert window_size == (-1, 0) and enable_gqa
+            return reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+    else:
+        def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, *, scale=None):
+            assert is_causal and k.shape[1] == q.shape[1]  # no native GQA: kv heads repeated
+            return reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal)
+    monkeypatch.setattr(varlen_mod, "varlen_attn", stand_in)
+    q, k, v, bounds = _packed_qkv(torch.bfloat16)
+    got, _ = attention_lib._torch_varlen(None, q, k, v, None, scaling=0.3, **bounds)
+    want, _ = attention_lib._sdpa_per_sequence(None, q.float(), k.float(), v.float(), None, scaling=0.3, **bounds)
+    assert got.shape == want.shape == (1, q.shape[2], q.shape[1], q.shape[3]) and seen["max_q"] == 7
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_torch_varlen_falls_back_to_sdpa_per_sequence_in_float32_and_without_boundaries(monkeypatch):
+    import torch.nn.attention.varlen as varlen_mod
+
+    monkeypatch.setattr(varlen_mod, "varlen_attn", lambda *a, **k: pytest.fail("FlashAttention has no float32"))
+    q, k, v, bounds = _packed_qkv(torch.float32)
+    got, _ = attention_lib._torch_varlen(None, q, k, v, None, **bounds)
+    want, _ = attention_lib._sdpa_per_sequence(None, q, k, v, None, **bounds)
+    assert torch.equal(got, want)
+    got, _ = attention_lib._torch_varlen(None, q.bfloat16(), k.bfloat16(), v.bfloat16(), None)  # one sequence
+    want, _ = attention_lib._sdpa_per_sequence(None, q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("name", ["sdpa", "eager", "flex_attention", "sdpa_varlen"])

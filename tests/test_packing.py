@@ -146,7 +146,7 @@ def test_pack_rejects_empty_prompt_or_completion():
         pack([[1], [2]], [[1], []], [[0, 1]], "cpu")
 
 
-@pytest.mark.parametrize("attn", ["flash_attention_2", "sdpa_varlen"])
+@pytest.mark.parametrize("attn", ["flash_attention_2", "torch_varlen", "sdpa_varlen"])
 def test_varlen_backends_receive_boundaries(attn):
     prompts, completions = _random_batch(seed=3, s=4)
     mb = pack(prompts, completions, [[0, 1, 2, 3]], "cpu")[0]
@@ -284,10 +284,12 @@ def test_gradient_does_not_depend_on_token_budget(weights):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("attn", ["flash_attention_2", "flex_attention", "sdpa"])
+@pytest.mark.parametrize("attn", ["flash_attention_2", "torch_varlen", "flex_attention", "sdpa"])
 def test_packed_logprobs_equal_unpadded_on_gpu(attn):
     if attn == "flash_attention_2":
         pytest.importorskip("flash_attn")
+    if attn == "torch_varlen":
+        pytest.importorskip("torch.nn.attention.varlen")
     model = tiny_model("qwen2", attn).cuda().to(torch.bfloat16)
     prompts, completions = _random_batch(seed=11, s=6, max_prompt=40, max_completion=40)
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
