@@ -11,18 +11,25 @@ prompt and completion token counts are read back from both sides and compared; a
 ``spread_reward`` (a deterministic function of the completion's token ids that varies within a group) makes
 every advantage non-zero, so neither side can skip backward work on a zero-advantage group.
 
-Timing, per optimizer step (one rollout batch of S = B * G completions):
+Timing, per optimizer step (one rollout batch of S = B * G completions), CUDA synchronised at each boundary:
   fastgrpo  ``python -m fastgrpo.train``'s metrics.jsonl: time/rollout_s (generation, rewards, advantages) and
-            time/update_s (forward, backward, optimizer step).
+            time/update_s (forward, backward, optimizer step); step = the trainer's whole ``train_step`` call, timed
+            around it (rollout, update, the guard's end of step, weight sync, the metrics' reduction).
   TRL       GRPOTrainer with a callback: generation = ``_generate_and_score_completions`` (generation, rewards,
             advantages), step = on_step_begin -> on_step_end, update = step - generation.
-Tokens/s divide the same S * (P + L) tokens by each side's seconds. Peak memory: the child's peak RSS (VmHWM,
-polled from this process until the last step is logged, so a final checkpoint save does not count); on CUDA
-``torch.cuda.max_memory_allocated``. Every measured run is a fresh process; sides alternate A/B, B/A, ...
+Both children stamp when each step began (wall clock), so a run's time splits into start-up (process launch -> the
+first step begins: imports, CUDA context, model load, trainer set-up), the first step (lazy initialisation, kernel
+compilation and autotuning), the other warm-up steps, and the timed steps; only the timed steps enter the medians
+and ratios, and the rest is reported beside them. Tokens/s divide the same S * (P + L) tokens by each side's
+seconds. Peak memory: the child's peak RSS (VmHWM, polled from this process until the last step is logged, so a
+final checkpoint save does not count); on CUDA ``torch.cuda.max_memory_allocated``. Every measured run is a fresh
+process; sides alternate A/B, B/A, ... and works take turns pair by pair, so that a cut-short call still has a pair
+of each work; ``--budget-s`` starts no pair that the work's previous pair says would end past it.
 
     make bench-env                                                   # once: .venv-bench (TRL 1.16.0, pinned)
     .venv-bench/bin/python benchmarks/bench_trl.py                   # tiny + 0.5B-shaped, 3 alternated pairs
     .venv-bench/bin/python benchmarks/bench_trl.py --works tiny --repeats 3 --out benchmarks/results/bench_trl
+    python3 benchmarks/bench_trl.py --works qwen0.5b-shape,tiny --steps 10 --warmup 2 --budget-s 300   # a GPU
 """
 
 from __future__ import annotations
@@ -56,19 +63,42 @@ def run_fastgrpo_child(spec: dict) -> None:
 
     from fastgrpo.train import main as train_main
 
-    cfg = Path(spec["run_dir"]) / "fastgrpo.yaml"
-    cfg.write_text(yaml.safe_dump(fastgrpo_config(spec), sort_keys=False))
-    if spec.get("profile"):
-        from fastgrpo.trainer import Trainer
+    from fastgrpo.attention import choose_attn_implementation
+    from fastgrpo.trainer import Trainer
 
+    run_dir, tree = Path(spec["run_dir"]), fastgrpo_config(spec)
+    cfg = run_dir / "fastgrpo.yaml"
+    cfg.write_text(yaml.safe_dump(tree, sort_keys=False))
+    if spec.get("profile"):
         if not hasattr(Trainer, "policy_update"):
             raise RuntimeError("--profile: fastgrpo.trainer.Trainer has no policy_update any more; point the "
                                "profile hook in benchmarks/bench_trl.py at the trainer's update phase")
         Trainer.policy_update = _profile_last(Trainer.policy_update, spec, lambda self: self.step)
-    rc = train_main(["--config", str(cfg)])
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    with (run_dir / STEP_TIMES).open("w") as times:
+        Trainer.train_step = _stamped(Trainer.train_step, times, sync)
+        rc = train_main(["--config", str(cfg)])
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    (Path(spec["run_dir"]) / "child.json").write_text(json.dumps({"rc": rc, "cuda_peak_bytes": peak}))
+    attn = choose_attn_implementation(tree["model"]["attn_implementation"], spec["device"])
+    (run_dir / "child.json").write_text(json.dumps({"rc": rc, "cuda_peak_bytes": peak, "attn_implementation": attn}))
     sys.exit(rc)
+
+
+STEP_TIMES = "step_times.jsonl"
+"""fastgrpo child: one {t_begin, step_s} line per ``Trainer.train_step`` call (its metrics.jsonl has no clock)."""
+
+
+def _stamped(train_step, out, sync):
+    """``train_step`` that appends when it began (wall clock, for the start-up) and how long it took to ``out``."""
+    def timed(self):
+        sync()
+        t_begin, t0 = time.time(), time.perf_counter()
+        result = train_step(self)
+        sync()
+        out.write(json.dumps({"t_begin": t_begin, "step_s": time.perf_counter() - t0}) + "\n")
+        out.flush()
+        return result
+    return timed
 
 
 def run_trl_child(spec: dict) -> None:
@@ -106,7 +136,7 @@ def run_trl_child(spec: dict) -> None:
 
         def on_step_begin(self, args, state, control, **kw):
             sync()
-            self.rec = {"t0": time.perf_counter()}
+            self.rec = {"t_begin": time.time(), "t0": time.perf_counter()}
 
         def on_step_end(self, args, state, control, **kw):
             sync()
@@ -228,7 +258,7 @@ def run_side(side: str, spec: dict, timeout_s: float) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     log = (run_dir / "child.log").open("w")
-    t0 = time.perf_counter()
+    launch_time, t0 = time.time(), time.perf_counter()
     proc = subprocess.Popen([sys.executable, str(HERE), "--child", side, "--spec", str(run_dir / "spec.json")],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     total, progress, peak = spec["warmup"] + spec["steps"], _progress_file(side, run_dir), None
@@ -251,32 +281,51 @@ def run_side(side: str, spec: dict, timeout_s: float) -> dict:
     error = "" if len(steps) >= total else (
         f"rc={proc.returncode}, {len(steps)}/{total} steps; see {run_dir / 'child.log'}: "
         + " | ".join((run_dir / "child.log").read_text(errors="replace").strip().splitlines()[-3:])[-300:])
-    cuda_peak = None
+    cuda_peak, attn = None, spec["shared"]["attn"]
     if side == "fastgrpo" and (run_dir / "child.json").is_file():
-        cuda_peak = json.loads((run_dir / "child.json").read_text())["cuda_peak_bytes"]
+        child = json.loads((run_dir / "child.json").read_text())
+        cuda_peak, attn = child["cuda_peak_bytes"], child.get("attn_implementation")
     elif steps:
         cuda_peak = steps[-1].get("cuda_peak_bytes")
     return {"side": side, "steps": steps, "peak_rss_bytes": peak, "cuda_peak_bytes": cuda_peak, "wall_s": wall,
-            "error": error}
+            "launch_time": launch_time, "attn_implementation": attn, "error": error}
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _read_steps(side: str, run_dir: Path) -> list[dict]:
-    """Per-step records in one format: gen_s, update_s, step_s, prompt_tokens, completion_tokens."""
-    path = _progress_file(side, run_dir)
-    if not path.is_file():
-        return []
+    """Per-step records in one format: gen_s, update_s, step_s, prompt_tokens, completion_tokens, and t_begin (wall
+    clock; absent from a fastgrpo step whose stamp was not written, whose step_s is then rollout + update)."""
+    records = _jsonl(_progress_file(side, run_dir))
+    if side == "trl":
+        return records
+    stamps = _jsonl(run_dir / STEP_TIMES)
     out = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        r = json.loads(line)
-        if side == "fastgrpo":
-            comp = int(r["perf/rollout_tokens"])
-            r = {"step": r["step"], "gen_s": r["time/rollout_s"], "update_s": r["time/update_s"],
-                 "step_s": r["time/rollout_s"] + r["time/update_s"], "completion_tokens": comp,
-                 "prompt_tokens": int(r["perf/update_tokens"]) - comp}
-        out.append(r)
+    for i, r in enumerate(records):
+        comp = int(r["perf/rollout_tokens"])
+        rec = {"step": r["step"], "gen_s": r["time/rollout_s"], "update_s": r["time/update_s"],
+               "step_s": r["time/rollout_s"] + r["time/update_s"], "completion_tokens": comp,
+               "prompt_tokens": int(r["perf/update_tokens"]) - comp}
+        out.append(rec | (stamps[i] if i < len(stamps) else {}))
     return out
+
+
+def phases(run: dict, warmup: int) -> dict:
+    """Where a finished run's time went besides its timed steps: start-up (launch -> the first step begins), the
+    first step (compilation, lazy initialisation), the other warm-up steps; then the timed steps' count, median and
+    range of step_s. None where the run did not record it."""
+    steps = run["steps"]
+    timed = [s["step_s"] for s in steps[warmup:]]
+    first_begin = steps[0].get("t_begin") if steps else None
+    return {"startup_s": first_begin - run["launch_time"] if first_begin and run.get("launch_time") else None,
+            "first_step_s": steps[0]["step_s"] if steps else None,
+            "other_warmup_s": [s["step_s"] for s in steps[1:warmup]],
+            "timed_steps": len(timed),
+            "timed_step_s": (statistics.median(timed), min(timed), max(timed)) if timed else None}
 
 
 # -- alternated pairs, medians, ratios -------------------------------------------------------------------------
@@ -299,11 +348,19 @@ def median_record(steps: list[dict], warmup: int) -> dict:
 
 
 def summarize(name: str, work: dict, runs: list[dict]) -> dict:
-    """runs: alternating records of both sides, each tagged with its repeat index."""
+    """runs: alternating records of both sides, each tagged with its repeat index. Rows: per metric, each side's
+    per-run medians and the fastgrpo / TRL ratio of every finished pair; phases: per side, each finished run's
+    start-up, first step and warm-up (:func:`phases`), kept out of the rows."""
     tokens = work["sequences"] * (work["prompt_len"] + work["max_completion_length"])
     per_side: dict[str, dict[int, dict]] = {"fastgrpo": {}, "trl": {}}
-    equal, notes = True, []
+    phase: dict[str, list[dict]] = {"fastgrpo": [], "trl": []}
+    equal, notes, skipped = True, [], set()
     for run in runs:
+        if run["error"].startswith("skipped"):  # not started: one note per pair
+            if run["repeat"] not in skipped:
+                notes.append(f"repeat {run['repeat']}: {run['error']}")
+            skipped.add(run["repeat"])
+            continue
         if run["error"]:
             notes.append(f"{run['side']} repeat {run['repeat']}: {run['error']}")
             continue
@@ -317,6 +374,7 @@ def summarize(name: str, work: dict, runs: list[dict]) -> dict:
                              f"{got} != {want}")
         med = median_record(run["steps"], work["warmup"])
         per_side[run["side"]][run["repeat"]] = {m: fn(med, run, tokens) for m, _, fn in METRICS}
+        phase[run["side"]].append({"repeat": run["repeat"], **phases(run, work["warmup"])})
     rows = []
     pairs = sorted(set(per_side["fastgrpo"]) & set(per_side["trl"]))
     for m, unit, _ in METRICS:
@@ -324,7 +382,8 @@ def summarize(name: str, work: dict, runs: list[dict]) -> dict:
         b = [per_side["trl"][k][m] for k in sorted(per_side["trl"])]
         ratios = [per_side["fastgrpo"][k][m] / per_side["trl"][k][m] for k in pairs]
         rows.append({"metric": m, "unit": unit, "fastgrpo": a, "trl": b, "ratios": ratios})
-    return {"work": name, **work, "tokens_per_step": tokens, "equal_tokens": equal, "notes": notes, "rows": rows}
+    return {"work": name, **work, "tokens_per_step": tokens, "equal_tokens": equal, "notes": notes, "rows": rows,
+            "phases": phase}
 
 
 def _fmt(values: list[float], digits: int) -> str:
@@ -338,17 +397,27 @@ def markdown(summary: dict) -> str:
     s = summary
     head = (f"**{s['work']}**: model {s['model']}, S = {s['prompts_per_step']} x {s['generations']} = "
             f"{s['sequences']} sequences of {s['prompt_len']} prompt + {s['max_completion_length']} completion "
-            f"tokens ({s['tokens_per_step']:,} tokens per step), {s['steps']} measured steps after "
+            f"tokens ({s['tokens_per_step']:,} tokens per step), {s['steps']} timed steps after "
             f"{s['warmup']} warm-up, {len(s['rows'][0]['ratios'])} alternated pairs; equal tokens on both sides: "
             f"{'yes' if s['equal_tokens'] else 'NO'}\n\n")
-    lines = ["| per step | fastgrpo, median (range) | TRL, median (range) | fastgrpo / TRL per pair | median ratio |",
-             "|---|---|---|---|---|"]
+    lines = ["| per timed step | fastgrpo, median (range) over runs | TRL, median (range) over runs | "
+             "fastgrpo / TRL per pair | median ratio (range) |", "|---|---|---|---|---|"]
     for r in s["rows"]:
         digits = 0 if "tokens/s" in r["metric"] else (2 if r["unit"] == "GB" else 3)
         unit = f" ({r['unit']})" if r["unit"] else ""
-        ratio_med = f"{statistics.median(r['ratios']):.2f}" if r["ratios"] else "n/a"
         lines.append(f"| {r['metric']}{unit} | {_fmt(r['fastgrpo'], digits)} | {_fmt(r['trl'], digits)} | "
-                     f"{', '.join(f'{x:.2f}' for x in r['ratios']) or 'n/a'} | {ratio_med} |")
+                     f"{', '.join(f'{x:.2f}' for x in r['ratios']) or 'n/a'} | {_fmt(r['ratios'], 2)} |")
+    lines += ["", "| outside the timed steps (s) | start-up: launch -> first step | first step (compile, lazy init) | "
+              "other warm-up steps | timed steps per run, step s median (range) |", "|---|---|---|---|---|"]
+    for side, runs in s.get("phases", {}).items():
+        timed = [r["timed_step_s"] for r in runs if r["timed_step_s"]]
+        lines.append(
+            f"| {side} ({len(runs)} runs) | {_fmt([r['startup_s'] for r in runs if r['startup_s'] is not None], 1)} | "
+            f"{_fmt([r['first_step_s'] for r in runs if r['first_step_s'] is not None], 2)} | "
+            f"{_fmt([x for r in runs for x in r['other_warmup_s']], 2)} | "
+            f"{'/'.join(str(r['timed_steps']) for r in runs) or 'n/a'}, "
+            + (f"{statistics.median(t[0] for t in timed):.3f} ({min(t[1] for t in timed):.3f}-"
+               f"{max(t[2] for t in timed):.3f}) |" if timed else "n/a |"))
     notes = "".join(f"\n- {n}" for n in s["notes"][:10])
     return head + "\n".join(lines) + ("\n" + notes if notes else "") + "\n"
 

@@ -11,7 +11,8 @@ Each run is a fresh child process: the trainer is built, ``--warmup`` steps run 
 are counted, phase by phase:
 
     step         one optimizer step: rollout + update
-    rollout      fastgrpo: Trainer.rollout (generation, rewards, advantages); TRL: _generate_and_score_completions
+    rollout      fastgrpo: Trainer.rollout (generation, rewards, advantages) and the step's reward statistics
+                 (episodes.record_metrics, run at the end of the step); TRL: _generate_and_score_completions
     generate     inside rollout: fastgrpo: engine.generate; TRL: _generate_single_turn
     update       step - rollout (fastgrpo: policy_update, the non-finite guard's end of step, the metrics' one
                  reduction; TRL: its micro-batch training_steps, clipping, the optimizer step, zero_grad)
@@ -136,6 +137,7 @@ def count_fastgrpo(spec: dict, budget: int) -> dict:
     import torch
     import yaml
 
+    import fastgrpo.trainer as trainer_module
     from fastgrpo.config import TrainConfig, load_config
     from fastgrpo.trainer import Trainer
 
@@ -155,6 +157,8 @@ def count_fastgrpo(spec: dict, budget: int) -> dict:
         with contextlib.ExitStack() as stack:
             for obj, attr, fn in (
                     (trainer, "rollout", _in_phase(counter, "rollout", trainer.rollout)),
+                    # the step's reward / advantage / length statistics: TRL's are computed in its rollout phase
+                    (trainer_module, "record_metrics", _in_phase(counter, "rollout", trainer_module.record_metrics)),
                     (trainer.engine, "generate", _in_phase(counter, "generate", trainer.engine.generate)),
                     (trainer, "policy_update", span.wrap_update(trainer.policy_update)),
                     (model, "packed_forward", span.wrap_forward(model.packed_forward)),

@@ -11,6 +11,7 @@ likely cause.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -30,14 +31,15 @@ class NonFiniteGuard:
     def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> bool:
         """``optimizer.step()`` if the (global, unclipped) ``grad_norm`` is finite, else drop the gradients.
         Returns whether it stepped."""
-        if bool(torch.isfinite(grad_norm)):  # the one host sync of the update
+        norm = float(grad_norm)  # the one host sync of the update (a read, then a host test: one op, not five)
+        if math.isfinite(norm):
             optimizer.step()
             self.in_a_row = 0
             return True
         optimizer.zero_grad(set_to_none=True)  # nothing non-finite reaches the weights or Adam's moments
         self.in_a_row += 1
         self.skipped += 1
-        self.last_norm = float(grad_norm)
+        self.last_norm = norm
         return False
 
     def end_step(self, step: int, metrics: Any, advantages: torch.Tensor, rewards: torch.Tensor) -> None:

@@ -173,14 +173,19 @@ def pack(
     For a sequence at row offset s with prompt length P >= 1 and completion length L >= 1, positions
     s+P-1 ... s+P+L-2 predict the tokens at s+P ... s+P+L-1: the shift is per sequence, so nothing predicts
     across a boundary and the last token of a sequence predicts nothing. An empty bin becomes a dummy row of
-    one ``pad_token_id`` token with N = 0. Index tensors are built on the host and copied once per tensor.
+    one ``pad_token_id`` token with N = 0. Index tensors are built on the host, in three buffers for all the bins
+    (``[1, *]`` rows, ``[*]`` int64 vectors, int32 boundaries), each copied to the device once and split into
+    views: three copies per step where one per tensor and bin would be seven per micro-batch.
     """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
     for name, seqs in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids)):
         _check_lengths([len(s) for s in seqs], name)
     offsets = completion_offsets([len(c) for c in completion_ids])
-    out = []
+    rows: list[list[int]] = []  # per bin: input ids, position ids  -> [1, T] each
+    vectors: list[list[int]] = []  # per bin: hidden index, targets, flat index [N] each, segment ids [T]
+    bounds: list[list[int]] = []  # per bin: cu_seqlens [K + 1]
+    lengths: list[list[int]] = []
     for b in bins:
         ids: list[int] = []
         pos: list[int] = []
@@ -200,24 +205,29 @@ def pack(
             seq_lengths.append(P + L)
         if not b:  # dummy row: one token so that the trunk (and its collectives) still runs
             ids, pos = [pad_token_id], [0]
-        cu = [0, *itertools.accumulate(seq_lengths)] if b else [0, 1]
-        seg = [k for k, n in enumerate(seq_lengths) for _ in range(n)] if b else [0]
+        rows += [ids, pos]
+        vectors += [hidden_index, targets, flat_index,
+                    [k for k, n in enumerate(seq_lengths) for _ in range(n)] if b else [0]]
+        bounds.append([0, *itertools.accumulate(seq_lengths)] if b else [0, 1])
+        lengths.append(seq_lengths)
 
-        def t(x: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+    def views(parts: list[list[int]], dtype: torch.dtype, row: bool = False) -> tuple[torch.Tensor, ...]:
+        flat = torch.tensor([x for part in parts for x in part], dtype=dtype)
+        flat = flat.to(device, non_blocking=True)
+        return (flat[None] if row else flat).split([len(part) for part in parts], dim=-1)
 
-        out.append(MicroBatch(
-            input_ids=t(ids)[None],  # [1, T]
-            position_ids=t(pos)[None],  # [1, T]
-            hidden_index=t(hidden_index),  # [N]
-            targets=t(targets),  # [N]
-            flat_index=t(flat_index),  # [N]
-            cu_seqlens=t(cu, torch.int32),  # [K + 1]
-            segment_ids=t(seg),  # [T]
-            seq_indices=list(b),
-            seq_lengths=seq_lengths,
-            max_seqlen=max(seq_lengths, default=1),
-            num_tokens=len(ids),
-            num_completion_tokens=len(targets),
-        ))
-    return out
+    row_t, vec_t, cu_t = views(rows, torch.long, row=True), views(vectors, torch.long), views(bounds, torch.int32)
+    return [MicroBatch(
+        input_ids=row_t[2 * j],  # [1, T]
+        position_ids=row_t[2 * j + 1],  # [1, T]
+        hidden_index=vec_t[4 * j],  # [N]
+        targets=vec_t[4 * j + 1],  # [N]
+        flat_index=vec_t[4 * j + 2],  # [N]
+        cu_seqlens=cu_t[j],  # [K + 1]
+        segment_ids=vec_t[4 * j + 3],  # [T]
+        seq_indices=list(b),
+        seq_lengths=lengths[j],
+        max_seqlen=max(lengths[j], default=1),
+        num_tokens=len(rows[2 * j]),
+        num_completion_tokens=len(vectors[4 * j + 1]),
+    ) for j, b in enumerate(bins)]

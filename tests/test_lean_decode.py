@@ -180,7 +180,59 @@ def test_the_trainer_builds_the_engine_with_the_configured_decode_step(models, c
     from fastgrpo.rollout.base import ENGINES, EngineSetup
 
     model, tok = models["llama"]
-    setup = EngineSetup(cfg=RolloutConfig(hf=HFRolloutConfig(decode=choice)), model=model, tokenizer=tok, model_path=str,
-                        prompt_token_bound=int, seed=0)
+    setup = EngineSetup(cfg=RolloutConfig(hf=HFRolloutConfig(decode=choice)), model=model, tokenizer=tok,
+                        model_path=str, prompt_token_bound=int, seed=0)
     engine = ENGINES["hf"].from_setup(setup)
     assert engine.decode == choice and (engine.lean_decoder() is None) == (choice == "transformers")
+
+
+class _EagerStep:
+    """What GraphedStep replays (LeanDecoder.step_static), run eagerly: CUDA graphs need a GPU."""
+
+    def __init__(self, decoder, num_rows, device):
+        self.decoder = decoder
+
+    def __call__(self, tokens, positions, slot):
+        return self.decoder.step_static(tokens, positions, slot)
+
+
+@pytest.mark.parametrize("family", ["llama", "default"])
+def test_static_step_decodes_the_same_tokens_as_the_growing_step(models, rng, monkeypatch, family):
+    """The CUDA-graph path's step (all cache slots, unwritten ones masked, the slot a device tensor) gives the
+    growing step's tokens and log-probs, on several chunks with left padding and early stops."""
+    from fastgrpo.rollout import hf as hf_mod
+
+    model, tok = models[family]
+    prompts = _prompts(tok, 5, rng)
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=rng.randrange(1 << 30), logprobs=True)
+    growing = HFEngine(model, tok, batch_size=4, decode="lean").generate(prompts, 2, params)
+    monkeypatch.setattr(hf_mod, "_graphs_on", lambda device: True)
+    monkeypatch.setattr(hf_mod, "GraphedStep", _EagerStep)
+    static = HFEngine(model, tok, batch_size=4, decode="lean").generate(prompts, 2, params)
+    assert [[c.token_ids for c in row] for row in static] == [[c.token_ids for c in row] for row in growing]
+    for row_s, row_g in zip(static, growing):
+        for a, b in zip(row_s, row_g):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+
+
+def test_a_chunks_draws_do_not_depend_on_the_chunks_before_it(models, rng):
+    """Each chunk has its own seeded stream: the second chunk's samples are the same whether or not the first
+    chunk ran to max_tokens (here: the first chunk's prompts differ, so it stops at another step)."""
+    model, tok = models["llama"]
+    prompts = _prompts(tok, 4, rng)
+    params = SamplingParams(max_tokens=10, seed=3)
+    a = HFEngine(model, tok, batch_size=2).generate(prompts, 1, params)
+    b = HFEngine(model, tok, batch_size=2).generate(list(reversed(prompts[:2])) + prompts[2:], 1, params)
+    assert [r[0].token_ids for r in a[2:]] == [r[0].token_ids for r in b[2:]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decode_equals_the_eager_lean_step(tiny_cache):  # noqa: F811
+    model, tok = _load(tiny_cache, "llama")
+    model = model.cuda()
+    prompts = [tok("a b c", add_special_tokens=False)["input_ids"], tok("hello", add_special_tokens=False)["input_ids"]]
+    params = SamplingParams(max_tokens=24, seed=7, logprobs=True)
+    graphed = HFEngine(model, tok, decode="lean").generate(prompts, 4, params)
+    eager = HFEngine(model, tok, decode="lean", cuda_graph=False).generate(prompts, 4, params)
+    assert [[c.token_ids for c in row] for row in graphed] == [[c.token_ids for c in row] for row in eager]
+

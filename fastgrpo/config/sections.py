@@ -163,6 +163,8 @@ class HFRolloutConfig:
     decode: Literal["auto", "lean", "transformers"] = "auto"
     """Decode step: 'lean' (fastgrpo.rollout.lean_decode; Qwen2/Llama, unsharded, no adapters), 'transformers' (the
     model's forward), or 'auto' (lean where the model supports it)."""
+    cuda_graph: bool = True
+    """CUDA, lean decode step: capture the step once per chunk in a CUDA graph and replay it per token."""
 
     def validate(self, p: str) -> None:
         check(self.batch_size >= 1, f"{p}.batch_size", f"must be >= 1, got {self.batch_size}")

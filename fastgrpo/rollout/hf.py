@@ -14,16 +14,19 @@ mask is what keeps padded and unpadded generation equal; the padded-vs-alone tes
 A step: one forward of the new tokens against a KV cache allocated once for the chunk
 (``kv_cache.preallocated_kv_cache``; transformers' DynamicCache concatenates the whole cache at every token), with
 the attention mask a view of one ``[N, P + max_tokens]`` mask, then one uniform number per row to draw the next
-token (``sample_rows``). The host learns whether all rows finished every step on a CPU, every
-``_FINISH_CHECK_EVERY`` steps on an accelerator.
+token (``sample_rows``). The host learns whether all rows finished every ``_FINISH_CHECK_EVERY`` steps only (the one
+host sync of the loop): a finished chunk runs at most that many padded steps more.
 
 Decode step (``rollout.hf.decode``): the prompt always runs through transformers' forward; the per-token steps,
 where transformers' per-call overhead dominates on small models, run through ``lean_decode.LeanDecoder`` (the same
 arithmetic on the model's own parameters, continuing the same cache) when the model is a plain Qwen2/Llama
 (``"auto"``, the default; ``"lean"`` raises where it cannot), or always through transformers (``"transformers"``).
+On CUDA the lean step runs with static shapes (attention over the whole chunk's cache, unwritten slots masked),
+captured once per chunk in a CUDA graph and replayed per token (``rollout.hf.cuda_graph``; ``GraphedStep``).
 
-Seeding: one ``torch.Generator`` per call, drawn from in chunk order, so a seed reproduces a call exactly
-for the same prompts, n and batch_size (changing batch_size changes which draws each sequence gets).
+Seeding: one ``torch.Generator`` per chunk, seeded from (seed, chunk index), so a seed reproduces a call exactly
+for the same prompts, n and batch_size (changing batch_size changes which draws each sequence gets), whatever the
+finish check's interval or the decode step.
 
 Legend: N sequences in a chunk (prompts x n), P longest prompt in the chunk, T decode steps so far,
 V vocabulary size.
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import inspect
 from typing import Iterable, Iterator
 
@@ -44,7 +48,7 @@ from fastgrpo.config import HFRolloutConfig, check_section
 from fastgrpo.attention import decoding_attn_implementation
 from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
 from fastgrpo.rollout.kv_cache import preallocated_kv_cache
-from fastgrpo.rollout.lean_decode import LeanDecoder, lean_unsupported_reason
+from fastgrpo.rollout.lean_decode import GraphedStep, LeanDecoder, lean_unsupported_reason
 
 __all__ = ["HFEngine", "sample_next", "sample_rows"]
 
@@ -64,6 +68,24 @@ def _reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def _chunk_generator(seed: int | None, chunk: int, device: torch.device) -> torch.Generator:
+    """The random stream of chunk ``chunk`` of a call: from ``(seed, chunk)`` alone, so a chunk's draws do not
+    depend on how many steps the chunks before it ran (which the finish check's interval decides); fresh entropy
+    when ``seed`` is None. The global RNG is never touched."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        digest = hashlib.blake2b(f"{seed}:{chunk}".encode(), digest_size=8).digest()
+        generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+    return generator
+
+
+def _graphs_on(device: torch.device) -> bool:
+    """Whether the lean step is captured in a CUDA graph on ``device`` (CUDA graphs exist on CUDA only)."""
+    return device.type == "cuda"
 
 
 def _eos_ids(model: nn.Module, tokenizer) -> list[int]:
@@ -175,6 +197,7 @@ class HFEngine(RolloutEngine):
         options = check_section(dataclasses.replace(options or HFRolloutConfig(), **values), "rollout.hf")
         self.decode = options.decode
         self.batch_size = options.batch_size
+        self.cuda_graph = options.cuda_graph
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -196,19 +219,14 @@ class HFEngine(RolloutEngine):
         self.check_request(prompts, n, sampling)
         seqs = [p for p in prompts for _ in range(n)]  # prompt-major: sequence b*n + j is sample j of prompt b
         device = self._device()
-        generator = torch.Generator(device=device)
-        if sampling.seed is None:
-            generator.seed()  # fresh entropy, without touching the global RNG
-        else:
-            generator.manual_seed(sampling.seed)
-
         was_training = self.model.training
         self.model.eval()
         lean = self.lean_decoder()
         flat: list[Completion] = []
         try:
             with torch.no_grad(), _decoding_attention(self.model):
-                for start in range(0, len(seqs), self.batch_size):
+                for chunk, start in enumerate(range(0, len(seqs), self.batch_size)):
+                    generator = _chunk_generator(sampling.seed, chunk, device)
                     flat += self._generate_chunk(seqs[start:start + self.batch_size], sampling, generator, device,
                                                  lean)
         finally:
@@ -286,27 +304,34 @@ class HFEngine(RolloutEngine):
         ids, full_mask = ids.to(device), full_mask.to(device)
         pos = (full_mask[:, :P].cumsum(-1) - 1).clamp(min=0)  # [N, P] positions of real tokens start at 0
         eos = torch.tensor(self.eos_ids, device=device)
-        # Deciding to stop needs the device's answer on the host; on an accelerator, ask every few steps only (a
-        # finished row costs a few extra padded steps, not a wait per token); on a CPU the answer is free.
-        check_every = 1 if device.type == "cpu" else _FINISH_CHECK_EVERY
 
         tokens, logps = [], []  # T tensors of [N]
         finished = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
         cache = preallocated_kv_cache(self.model, max_len)  # None: transformers' default cache
         logits, cache = self._forward_last(ids, full_mask[:, :P], pos, cache)
         next_pos = pos[:, -1:] + 1  # [N, 1]
+        graphed = None
         if lean is not None:
-            lean.start(cache, full_mask, max_position=P + sampling.max_tokens)
+            static = self.cuda_graph and _graphs_on(device)
+            lean.start(cache, full_mask, max_position=P + sampling.max_tokens, static=static)
             cache = None  # the lean step keeps its own copy of the keys: free transformers' key buffers
+            if static:
+                graphed = GraphedStep(lean, N, device)
+                slots = torch.arange(P, max_len, device=device)  # [max_tokens]: step t writes slot P + t
         for step in range(sampling.max_tokens):
             tok, logp = sample_next(logits, sampling, generator)  # [N], [N]
             tok = tok.masked_fill(finished, self.pad_id)  # rows already done emit padding, stripped below
             tokens.append(tok)
             logps.append(logp)
             finished |= torch.isin(tok, eos)
-            if step + 1 == sampling.max_tokens or ((step + 1) % check_every == 0 and self._all_finished(finished)):
+            # Deciding to stop needs the device's answer on the host: ask every few steps only. A finished chunk
+            # costs at most a few padded steps; a wait per token would stall the device every step.
+            if step + 1 == sampling.max_tokens or ((step + 1) % _FINISH_CHECK_EVERY == 0
+                                                   and self._all_finished(finished)):
                 break
-            if lean is not None:
+            if graphed is not None:
+                logits = graphed(tok, next_pos[:, 0], slots[step:step + 1])
+            elif lean is not None:
                 logits = lean.step(tok, next_pos[:, 0], slot=P + step)
             else:
                 logits, cache = self._forward_last(tok[:, None], full_mask[:, :P + step + 1], next_pos, cache)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LeanDecoder", "lean_unsupported_reason"]
+__all__ = ["GraphedStep", "LeanDecoder", "lean_unsupported_reason"]
 
 _ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 """Model classes whose decoder layer is exactly: x + attn(norm(x)), then x + mlp(norm(x)), with rotate-half RoPE."""
@@ -102,12 +102,13 @@ class LeanDecoder:
         self.keys_t: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
-    def start(self, cache, key_mask: torch.Tensor, max_position: int) -> None:
+    def start(self, cache, key_mask: torch.Tensor, max_position: int, *, static: bool = False) -> None:
         """Adopt the prefilled ``cache`` (``preallocated_kv_cache``, prompt in its first P slots) and the chunk's
         key mask; the caller may drop ``cache`` afterwards.
 
         key_mask: [N, M] (1 = a real token: left padding is 0, every decoded slot 1). max_position: one more than
-        the largest RoPE position any step will use.
+        the largest RoPE position any step will use. ``static``: prepare :meth:`step_static` (every step attends
+        over all M slots, the ones not yet decoded masked out), whose shapes do not change from step to step.
         """
         n, m = key_mask.shape
         filled = cache.layers[0].keys.shape[-2]  # P
@@ -118,9 +119,14 @@ class LeanDecoder:
             keys_t[..., :filled] = k[:, :, :filled].reshape(n * self.hkv, filled, self.d).transpose(1, 2)
             self.keys_t.append(keys_t)
             self.values.append(layer._v.view(n * self.hkv, m, self.d))  # [N * Hkv, M, d]
+            if static:  # unwritten slots get weight 0 but still enter the products: 0 * garbage must not be NaN
+                keys_t[..., filled:] = 0
+                self.values[-1][:, filled:] = 0
         dtype = self.values[0].dtype
         # Additive bias, one row per (row, KV head): -inf on padding, so a padded slot gets exactly zero weight.
         bias = torch.zeros((n, m), dtype=dtype, device=key_mask.device).masked_fill_(key_mask == 0, float("-inf"))
+        if static:
+            bias[:, filled:] = float("-inf")  # opened slot by slot as step_static writes them
         self.bias = bias.repeat_interleave(self.hkv, dim=0)[:, None, :]  # [N * Hkv, 1, M]
         # cos/sin of every position from the model's own rotary module (its rope_theta, scaling and attention
         # factor). rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated): one table each.
@@ -132,10 +138,27 @@ class LeanDecoder:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
-        """Logits [N, V] of the token after ``tokens`` [N], which sit at RoPE ``positions`` [N] and cache ``slot``."""
+        """Logits [N, V] of the token after ``tokens`` [N], which sit at RoPE ``positions`` [N] and cache ``slot``;
+        attends over the slots filled so far."""
+        return self._layers(tokens, positions, slot)
+
+    @torch.no_grad()
+    def step_static(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """:meth:`step` with ``slot`` a one-element device tensor ``[1]``: the new token's k/v are written at that
+        slot, the slot is opened in the bias, and attention runs over all M slots (unwritten ones weigh exactly
+        0). Every shape is fixed for the chunk and nothing reads the host, so :class:`GraphedStep` can capture it
+        once and replay it. Needs :meth:`start` with ``static=True``."""
+        return self._layers(tokens, positions, slot)
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int | torch.Tensor) -> torch.Tensor:
         N, d, hq, hkv, half = tokens.shape[0], self.d, self.hq, self.hkv, self.d // 2
+        static = isinstance(slot, torch.Tensor)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, d]
-        bias = self.bias[..., :slot + 1]  # [N * Hkv, 1, S]
+        if static:
+            self.bias.index_fill_(2, slot, 0.0)
+            bias = self.bias  # [N * Hkv, 1, M]
+        else:
+            bias = self.bias[..., :slot + 1]  # [N * Hkv, 1, S]
         h = F.embedding(tokens, self.embed.weight)  # [N, H]
         for layer, keys_t, values in zip(self.layers, self.keys_t, self.values):
             attn, mlp = layer.self_attn, layer.mlp
@@ -144,13 +167,20 @@ class LeanDecoder:
                             F.linear(x, attn.k_proj.weight, attn.k_proj.bias)), dim=-1).view(N, hq + hkv, d)
             qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin  # RoPE, [N, Hq + Hkv, d]
             q, k = qk[:, :hq], qk[:, hq:]
-            keys_t[:, :, slot] = k.reshape(N * hkv, d)
-            values[:, slot] = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(N * hkv, d)
+            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(N * hkv, d)
+            if static:
+                keys_t.index_copy_(2, slot, k.reshape(N * hkv, d, 1))
+                values.index_copy_(1, slot, v[:, None])
+                keys_s, values_s = keys_t, values  # [N * Hkv, d, M], [N * Hkv, M, d]
+            else:
+                keys_t[:, :, slot] = k.reshape(N * hkv, d)
+                values[:, slot] = v
+                keys_s, values_s = keys_t[..., :slot + 1], values[:, :slot + 1]
             # One query per row: the G query heads sharing a KV head are the rows of one small product.
             q = q.reshape(N * hkv, hq // hkv, d)  # [N * Hkv, G, d]
-            scores = torch.baddbmm(bias, q, keys_t[..., :slot + 1], alpha=self.scaling)  # [N * Hkv, G, S]
+            scores = torch.baddbmm(bias, q, keys_s, alpha=self.scaling)  # [N * Hkv, G, S]
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out = torch.bmm(weights, values[:, :slot + 1]).view(N, hq * d)  # [N, Hq * d]
+            out = torch.bmm(weights, values_s).view(N, hq * d)  # [N, Hq * d]
             h = h + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
             x = _rms_norm(h, layer.post_attention_layernorm)
             gate = mlp.act_fn(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
@@ -158,3 +188,47 @@ class LeanDecoder:
                              mlp.down_proj.bias)
         h = _rms_norm(h, self.norm)
         return F.linear(h, self.lm_head.weight, self.lm_head.bias)  # [N, V]
+
+
+class GraphedStep:
+    """:meth:`LeanDecoder.step_static` captured once per chunk in a CUDA graph and replayed per token (gpt-fast's
+    way of decoding a small model: one graph launch per token instead of a few hundred kernel launches).
+
+    The graph reads its inputs from, and writes its logits to, fixed buffers: :meth:`__call__` copies the step's
+    tokens, positions and slot in (device-to-device, no host sync) and replays. Capturing needs a warm-up run on a
+    side stream; both write a throw-away k/v into the last cache slot, which is then masked and zeroed again (it
+    is rewritten before it is ever attended to). The parameters are read in place, so an optimizer step between
+    calls is seen; a new chunk (other N or M) captures a new graph.
+    """
+
+    def __init__(self, decoder: LeanDecoder, num_rows: int, device: torch.device):
+        self.decoder = decoder
+        last = decoder.bias.shape[-1] - 1
+        self.tokens = torch.zeros(num_rows, dtype=torch.long, device=device)  # [N]
+        self.positions = torch.zeros(num_rows, dtype=torch.long, device=device)  # [N]
+        self.slot = torch.full((1,), last, dtype=torch.long, device=device)  # [1]
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            decoder.step_static(self.tokens, self.positions, self.slot)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = decoder.step_static(self.tokens, self.positions, self.slot)  # [N, V]
+        self._forget_slot(last)
+
+    @torch.no_grad()
+    def _forget_slot(self, slot: int) -> None:
+        d = self.decoder
+        d.bias[..., slot] = float("-inf")
+        for keys_t, values in zip(d.keys_t, d.values):
+            keys_t[..., slot] = 0
+            values[:, slot] = 0
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] (a view of the graph's output buffer: read it before the next call)."""
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.slot.copy_(slot)
+        self.graph.replay()
+        return self.logits
