@@ -66,7 +66,8 @@ class ModelConfig:
     """Weights: 'auto' (CUDA: float32 masters, bfloat16 compute via FSDP2; CPU: float32), 'float32' or 'bfloat16'."""
     attn_implementation: str = field(default="auto",
                                      metadata=registry("fastgrpo.attention:ATTN_BACKENDS", also=("auto",)))
-    """'auto' picks flash_attention_2 > flex_attention (CUDA), else sdpa_varlen (sdpa per packed sequence); or name one."""
+    """'auto' picks flash_attention_2 > torch_varlen > sdpa_varlen on CUDA, sdpa_varlen (sdpa per packed sequence)
+    elsewhere; or name one (flex_attention compiles per packed length)."""
     trust_remote_code: bool = False
     """Passed to transformers when loading a hub model."""
     revision: str | None = None
