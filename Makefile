@@ -31,7 +31,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# One command for a lent GPU machine: checks the kernels in bf16, then runs every benchmark (see benchmarks/run_gpu.sh and benchmarks/RESULTS.md).
+# One command for a lent GPU machine, inside one 10-minute call (BUDGET_S, default 570 s): issue 23's verdict first
+# (fastgrpo vs TRL, decode vs generate), then the CUDA tests and kernel benchmarks; the summary table is printed last
+# and written to $OUT/summary.md (default OUT: benchmarks/results; see benchmarks/run_gpu.sh and RESULTS.md).
 bench-gpu:
 	bash benchmarks/run_gpu.sh
 

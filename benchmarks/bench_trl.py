@@ -35,6 +35,7 @@ of each work; ``--budget-s`` starts no pair that the work's previous pair says w
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -57,45 +58,48 @@ from benchmarks.peer_work import (  # noqa: E402
 
 
 def run_fastgrpo_child(spec: dict) -> None:
-    """fastgrpo through its public entry point; the per-step figures are its metrics.jsonl."""
+    """fastgrpo through its public entry point; the per-step figures are its metrics.jsonl and the stamps of
+    ``_stamped`` (STEP_TIMES)."""
     import torch
     import yaml
 
-    from fastgrpo.train import main as train_main
-
     from fastgrpo.attention import choose_attn_implementation
+    from fastgrpo.train import main as train_main
     from fastgrpo.trainer import Trainer
 
     run_dir, tree = Path(spec["run_dir"]), fastgrpo_config(spec)
     cfg = run_dir / "fastgrpo.yaml"
     cfg.write_text(yaml.safe_dump(tree, sort_keys=False))
+    attn = choose_attn_implementation(tree["model"]["attn_implementation"], spec["device"])
+    (run_dir / "child.json").write_text(json.dumps({"attn_implementation": attn}))  # first: the parent may kill us
     if spec.get("profile"):
         if not hasattr(Trainer, "policy_update"):
             raise RuntimeError("--profile: fastgrpo.trainer.Trainer has no policy_update any more; point the "
                                "profile hook in benchmarks/bench_trl.py at the trainer's update phase")
         Trainer.policy_update = _profile_last(Trainer.policy_update, spec, lambda self: self.step)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    cuda = torch.cuda.is_available()
     with (run_dir / STEP_TIMES).open("w") as times:
-        Trainer.train_step = _stamped(Trainer.train_step, times, sync)
+        Trainer.train_step = _stamped(Trainer.train_step, times, torch.cuda.synchronize if cuda else (lambda: None),
+                                      torch.cuda.max_memory_allocated if cuda else (lambda: None))
         rc = train_main(["--config", str(cfg)])
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    attn = choose_attn_implementation(tree["model"]["attn_implementation"], spec["device"])
-    (run_dir / "child.json").write_text(json.dumps({"rc": rc, "cuda_peak_bytes": peak, "attn_implementation": attn}))
     sys.exit(rc)
 
 
 STEP_TIMES = "step_times.jsonl"
-"""fastgrpo child: one {t_begin, step_s} line per ``Trainer.train_step`` call (its metrics.jsonl has no clock)."""
+"""fastgrpo child: one {t_begin, step_s, cuda_peak_bytes} line per ``Trainer.train_step`` call (its metrics.jsonl
+has no clock)."""
 
 
-def _stamped(train_step, out, sync):
-    """``train_step`` that appends when it began (wall clock, for the start-up) and how long it took to ``out``."""
+def _stamped(train_step, out, sync, peak):
+    """``train_step`` that appends to ``out`` when it began (wall clock, for the start-up), how long it took, and the
+    CUDA peak so far (as TRL's callback reads it: the final checkpoint's memory is not the step's)."""
     def timed(self):
         sync()
         t_begin, t0 = time.time(), time.perf_counter()
         result = train_step(self)
         sync()
-        out.write(json.dumps({"t_begin": t_begin, "step_s": time.perf_counter() - t0}) + "\n")
+        out.write(json.dumps({"t_begin": t_begin, "step_s": time.perf_counter() - t0, "cuda_peak_bytes": peak()})
+                  + "\n")
         out.flush()
         return result
     return timed
@@ -222,6 +226,8 @@ def _unprofiled(fn):
 
 
 CHILDREN = {"fastgrpo": run_fastgrpo_child, "trl": run_trl_child}
+LINGER_S = 5.0
+"""Timed runs: seconds a child may take to exit after its last step is logged (``run_side``'s linger_s)."""
 
 
 # -- running and reading one side ------------------------------------------------------------------------------
@@ -249,8 +255,10 @@ def _lines(path: Path) -> int:
         return 0
 
 
-def run_side(side: str, spec: dict, timeout_s: float) -> dict:
-    """One fresh child process; returns its per-step records, peak memory and wall time."""
+def run_side(side: str, spec: dict, timeout_s: float, linger_s: float | None = None) -> dict:
+    """One fresh child process; returns its per-step records, peak memory and wall time. ``linger_s``: once every
+    step is logged, kill a child still running after this long (what follows, fastgrpo's final checkpoint, is no part
+    of the comparison and only spends the budget); None waits for it to exit (a profile is written at exit)."""
     run_dir = Path(spec["run_dir"])
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -270,8 +278,9 @@ def run_side(side: str, spec: dict, timeout_s: float) -> dict:
             proc.kill()
             break
         time.sleep(0.1)
+    left = max(1.0, timeout_s - (time.perf_counter() - t0))
     try:
-        proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
+        proc.wait(timeout=left if linger_s is None else min(left, linger_s))
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -281,12 +290,9 @@ def run_side(side: str, spec: dict, timeout_s: float) -> dict:
     error = "" if len(steps) >= total else (
         f"rc={proc.returncode}, {len(steps)}/{total} steps; see {run_dir / 'child.log'}: "
         + " | ".join((run_dir / "child.log").read_text(errors="replace").strip().splitlines()[-3:])[-300:])
-    cuda_peak, attn = None, spec["shared"]["attn"]
+    cuda_peak, attn = steps[-1].get("cuda_peak_bytes") if steps else None, spec["shared"]["attn"]
     if side == "fastgrpo" and (run_dir / "child.json").is_file():
-        child = json.loads((run_dir / "child.json").read_text())
-        cuda_peak, attn = child["cuda_peak_bytes"], child.get("attn_implementation")
-    elif steps:
-        cuda_peak = steps[-1].get("cuda_peak_bytes")
+        attn = json.loads((run_dir / "child.json").read_text())["attn_implementation"]
     return {"side": side, "steps": steps, "peak_rss_bytes": peak, "cuda_peak_bytes": cuda_peak, "wall_s": wall,
             "launch_time": launch_time, "attn_implementation": attn, "error": error}
 
@@ -422,6 +428,7 @@ def markdown(summary: dict) -> str:
     return head + "\n".join(lines) + ("\n" + notes if notes else "") + "\n"
 
 
+@functools.cache  # written after every pair; asked once (the device name starts CUDA here)
 def versions() -> dict:
     out = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
     for mod in ("torch", "transformers", "trl", "accelerate", "datasets", "vllm"):
@@ -453,7 +460,11 @@ def parse_args(argv):
     ap.add_argument("--workdir", default=None, help="model folders, prompts and runs (default: $FASTGRPO_CACHE "
                                                     "or ~/.cache/fastgrpo, under bench-trl/)")
     ap.add_argument("--run-timeout-s", type=float, default=1800, help="kill one side's run after this long")
-    ap.add_argument("--budget-s", type=float, default=None, help="start no new run after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no pair that would end past this many seconds after the start (estimated from the "
+                         "work's last pair; a work's first pair starts while time is left)")
+    ap.add_argument("--fastgrpo-attn", default=None,
+                    help="fastgrpo's model.attn_implementation (default: peer_work.FASTGRPO_ATTN's name for TRL's)")
     ap.add_argument("--profile", action="store_true",
                     help="instead of timing: one run per side under torch.profiler, the last step's update only "
                          "(fastgrpo: policy_update; TRL: its micro-batch training steps, generation excluded); "
@@ -474,11 +485,31 @@ def prepare(work: Work, args, root: Path, device: str) -> dict:
     spec = make_spec(work, model_dir=model_dir, prompts_file=prompts_file, prompt_len=P, device=device,
                      engine=args.engine, seed=args.seed, trl_micro_batch=args.trl_micro_batch, steps=args.steps,
                      warmup=args.warmup)
+    if getattr(args, "fastgrpo_attn", None):
+        spec["fastgrpo_attn"] = args.fastgrpo_attn
     return spec | {"max_eos_probability": check_no_eos(model_dir, prompts_file)}
 
 
+def alternated_pairs(names: list[str], repeats: int, budget_s: float | None, run_pair, clock=time.perf_counter):
+    """Round r runs pair r of each work in turn, sides in the order (fastgrpo, trl) for even r and (trl, fastgrpo)
+    for odd r; ``run_pair(name, repeat, sides)`` returns that pair's two run records. A pair is started only while
+    the seconds since the first call, plus the wall time of the work's previous pair, stay within ``budget_s``;
+    one not started is recorded as two runs with error "skipped: time budget". Returns {name: [runs]}."""
+    start, runs, last_pair_s = clock(), {n: [] for n in names}, {}
+    for rep in range(repeats):
+        sides = ("fastgrpo", "trl") if rep % 2 == 0 else ("trl", "fastgrpo")
+        for name in names:
+            t0 = clock()
+            if budget_s is not None and t0 - start + last_pair_s.get(name, 0.0) > budget_s:
+                runs[name] += [{"side": s, "repeat": rep, "steps": [], "error": "skipped: time budget"} for s in sides]
+                continue
+            runs[name] += run_pair(name, rep, sides)
+            last_pair_s[name] = clock() - t0
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    started, args = time.perf_counter(), parse_args(argv)
     if args.child:
         CHILDREN[args.child](json.loads(Path(args.spec).read_text()))
         return 0
@@ -495,13 +526,14 @@ def main(argv: list[str] | None = None) -> int:
     works = {n: WORKS[n] for n in args.works.split(",") if n}
     if args.model_path:
         works["local"] = Work(model=args.model_path, prompts_per_step=2, max_completion_length=128)
-    start, summaries, configs = time.perf_counter(), [], {}
-    for name, work in works.items():
-        spec = prepare(work, args, root, device)
+    specs, configs = {}, {}
+    for name, work in works.items():  # every model folder first, so that each pair's time is only its runs
+        specs[name] = spec = prepare(work, args, root, device)
         print(f"[{name}] model {spec['model_dir']}, P={spec['prompt_len']}, max EOS probability "
               f"{spec['max_eos_probability']:.1e}", file=sys.stderr)
         configs[name] = {"fastgrpo": fastgrpo_config(spec), "trl": trl_config(spec)}
-        if args.profile:
+    if args.profile:
+        for name, spec in specs.items():
             for side in CHILDREN:
                 run = run_side(side, {**spec, "profile": True, "run_dir": str(root / "runs" / name / side)},
                                args.run_timeout_s)
@@ -510,25 +542,32 @@ def main(argv: list[str] | None = None) -> int:
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 dst.write_text(src.read_text() if src.is_file() else f"no profile: {run['error']}\n")
                 print(f"[{name}] {side}: profile of the last update in {dst}", file=sys.stderr)
-            continue
-        runs = []
-        for rep in range(args.repeats):
-            for side in (("fastgrpo", "trl") if rep % 2 == 0 else ("trl", "fastgrpo")):
-                if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-                    runs.append({"side": side, "repeat": rep, "steps": [], "error": "skipped: time budget"})
-                    continue
-                run = run_side(side, {**spec, "run_dir": str(root / "runs" / name / side)}, args.run_timeout_s)
-                run["repeat"] = rep
-                runs.append(run)
-                med = median_record(run["steps"], spec["warmup"]) if not run["error"] else {}
-                mem = run["cuda_peak_bytes"] if run["cuda_peak_bytes"] is not None else run["peak_rss_bytes"]
-                print(f"[{name}] repeat {rep} {side}: {run['wall_s']:.0f}s wall, "
-                      + (", ".join(f"{k} {v:.3f}" for k, v in med.items()) or run["error"])
-                      + (f", peak memory {mem / 1e9:.2f} GB" if mem else ""), file=sys.stderr)
-        summaries.append(summarize(name, spec, runs) | {"runs": runs})
-        write_results(args, argv, configs, summaries)  # after each work, so a cut-short run keeps what it did
-    if summaries:
-        print("\n".join(markdown(s) for s in summaries))
+        return 0
+    done: dict[str, list[dict]] = {name: [] for name in specs}
+
+    def run_pair(name: str, rep: int, sides: tuple[str, str]) -> list[dict]:
+        spec, pair = specs[name], []
+        for side in sides:
+            run = run_side(side, {**spec, "run_dir": str(root / "runs" / name / side)}, args.run_timeout_s,
+                           linger_s=LINGER_S) | {"repeat": rep}
+            pair.append(run)
+            med = median_record(run["steps"], spec["warmup"]) if not run["error"] else {}
+            ph = phases(run, spec["warmup"]) if not run["error"] else {}
+            mem = run["cuda_peak_bytes"] if run["cuda_peak_bytes"] is not None else run["peak_rss_bytes"]
+            print(f"[{name}] repeat {rep} {side}: {run['wall_s']:.0f}s wall"
+                  + (f" (start-up {ph['startup_s']:.1f}s, first step {ph['first_step_s']:.2f}s)"
+                     if ph.get("startup_s") is not None else "") + ", "
+                  + (", ".join(f"{k} {v:.3f}" for k, v in med.items()) or run["error"])
+                  + (f", peak memory {mem / 1e9:.2f} GB" if mem else ""), file=sys.stderr)
+        done[name] += pair  # results after each pair, so a cut-short call keeps every finished one
+        write_results(args, argv, configs, [summarize(n, specs[n], r) | {"runs": r} for n, r in done.items() if r])
+        return pair
+
+    budget_left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - started)
+    runs = alternated_pairs(list(specs), args.repeats, budget_left, run_pair)
+    summaries = [summarize(name, specs[name], r) | {"runs": r} for name, r in runs.items()]
+    write_results(args, argv, configs, summaries)
+    print("\n".join(markdown(s) for s in summaries))
     return 0
 
 

@@ -93,7 +93,7 @@ class _MicroBatchSpan:
     backward and the metrics run between forwards, outside any call one could wrap)."""
 
     def __init__(self, counter: OpCounter) -> None:
-        self.counter, self.open, self.count = counter, False, 0
+        self.counter, self.count = counter, 0
 
     def start(self) -> None:
         if self.counter.current() == "microbatch":
@@ -142,7 +142,6 @@ def count_fastgrpo(spec: dict, budget: int) -> dict:
     from fastgrpo.trainer import Trainer
 
     tree = fastgrpo_config(spec)
-    tree["rollout"].pop("batch_size", None)  # renamed in the config refactor; the default (64) >= S: one call
     tree["grpo"]["max_tokens_per_microbatch"] = budget
     path = Path(spec["run_dir"]) / "fastgrpo.yaml"
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
@@ -240,6 +239,9 @@ def _summary(counter: OpCounter, spec: dict, *, micro_batches: int, generated_to
     def per_step(phase, without=()):
         return {kind: counter.total(phase, kind, without=without) / k for kind in kinds}
 
+    def by_name(phase, kind, without):
+        return {name: n / k for name, n in counter.by_name(phase, kind, without=without).most_common()}
+
     phases = {p: per_step(p) for p in PHASES}  # policy_update: fastgrpo's Trainer.policy_update alone
     phases["update"] = per_step("step", without=("rollout",))
     phases["microbatch"] = per_step("microbatch", without=("rollout",))
@@ -252,14 +254,15 @@ def _summary(counter: OpCounter, spec: dict, *, micro_batches: int, generated_to
         "per_micro_batch": {kind: phases["microbatch"][kind] / max(n_mb, 1) for kind in kinds},
         "rollout_per_token": {kind: phases["rollout"][kind] / max(tokens, 1) for kind in kinds},
         "generate_per_token": {kind: phases["generate"][kind] / max(tokens, 1) for kind in kinds},
-        "syncs_by_name": {name: {op: n / k for op, n in counter.by_name(p, "syncs", without=w).most_common()}
-                          for name, p, w in (("update", "step", ("rollout",)), ("microbatch", "microbatch", ("rollout",)),
-                                             ("rollout", "rollout", ()))},
-        "sync_sites": {name: {site: n / k for site, n in counter.by_name(p, "sync_sites", without=w).most_common()}
-                       for name, p, w in (("update", "step", ("rollout",)), ("rollout", "rollout", ()))},
-        "update_ops_by_name": {op: n / k for op, n in counter.by_name("step", "ops", without=("rollout",)).most_common()},
+        "syncs_by_name": {name: by_name(p, "syncs", w) for name, p, w in _SYNC_TABLES},
+        "sync_sites": {name: by_name(p, "sync_sites", w) for name, p, w in _SYNC_TABLES},
+        "update_ops_by_name": by_name("step", "ops", ("rollout",)),
     }
 
+
+_SYNC_TABLES = (("update", "step", ("rollout",)), ("microbatch", "microbatch", ("rollout",)),
+                ("rollout", "rollout", ()))
+"""Where syncs are listed by op name and by call site: (name, phase, less the phases)."""
 
 CHILDREN = {"fastgrpo": count_fastgrpo, "trl": count_trl}
 
@@ -307,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--works", default=",".join(COUNT_WORKS), help=f"comma list of {list(COUNT_WORKS)}")
     ap.add_argument("--sides", default="fastgrpo,trl")
     ap.add_argument("--budgets", default="1024,256,trl",
-                    help="fastgrpo grpo.max_tokens_per_microbatch values; 'trl': the tokens of TRL's (first) micro-batch, "
-                         "so that both run as many micro-batches")
+                    help="fastgrpo grpo.max_tokens_per_microbatch values; 'trl': the tokens of TRL's (first) "
+                         "micro-batch, so that both run as many micro-batches")
     ap.add_argument("--trl-micro-batch", default="8", help="TRL per_device_train_batch_size values (divide B*G)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=1, help="counted steps per run")

@@ -2,8 +2,12 @@
 # makes this source tree importable as fastgrpo, fastgrpo.kernels included, without pip or network.
 #   source benchmarks/gpu_env.sh
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  if python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl; then
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    echo "gpu_env.sh: carried wheels installed: $(cd .whl && ls *.whl | sed 's/-py.*//' | tr '\n' ' ')"
+  else  # e.g. two versions of one package in .whl/: nothing carried is importable, and the steps needing it say so
+    echo "gpu_env.sh: installing .whl/*.whl failed; the carried packages are not available" >&2
+  fi
 fi
 # As `make install` does (editable), but without pip: the image's setuptools falls back to `setup.py develop`, which
 # wants to fetch build dependencies, and there is no network. fastgrpo.kernels lives in the top-level kernels/

@@ -60,11 +60,14 @@ SHARED = dict(temperature=1.0, top_p=1.0, beta=0.0, loss_type="dr_grpo", scale_r
               num_iterations=1, rewards=("format", "countdown"), system_prompt="", template="chat")
 """GRPO settings both sides get (the one source: both config builders read it)."""
 
-FASTGRPO_ATTN = {"sdpa": "sdpa_varlen"}
-"""The same attention kernel under fastgrpo's name for packed rows: TRL runs torch's sdpa on padded rows with
-``is_causal``; fastgrpo packs its micro-batches, and its ``"sdpa"`` would give sdpa one dense ``[T, T]`` block-causal
-mask per packed row (T = every token of the micro-batch, 5,376 on the tiny work), which sdpa's CPU kernel computes in
-full. ``"sdpa_varlen"`` (fastgrpo's default on CPU) calls the same sdpa with ``is_causal`` once per sequence."""
+FASTGRPO_ATTN = {"sdpa": "auto"}
+"""fastgrpo's name for TRL's attention choice: each side's own way of running it, what its users get by default.
+TRL runs torch's sdpa on padded rows. fastgrpo packs its micro-batches, and its ``"sdpa"`` would give sdpa one dense
+``[T, T]`` block-causal mask per packed row (T = every token of the micro-batch, 5,376 on the tiny work), which
+sdpa's CPU kernel computes in full. Its ``"auto"`` resolves, on CPU, to ``"sdpa_varlen"`` (the same sdpa with
+``is_causal``, once per sequence) and, on CUDA without flash-attn, to ``"torch_varlen"`` (torch's FlashAttention
+varlen kernel over the packed row; ``fastgrpo.attention.choose_attn_implementation``). bench_trl records the name it
+resolved to per run, and ``--fastgrpo-attn`` (spec key ``fastgrpo_attn``) names another."""
 
 
 def spread_reward(completions, completion_ids, **_):
@@ -89,7 +92,7 @@ def fastgrpo_config(spec: dict) -> dict:
         "name": "fastgrpo", "output_dir": spec["run_dir"], "max_steps": spec["warmup"] + spec["steps"],
         "seed": spec["seed"], "device": spec["device"],
         "model": {"name_or_path": spec["model_dir"], "dtype": "auto" if cuda else "float32",
-                  "attn_implementation": FASTGRPO_ATTN.get(s["attn"], s["attn"])},
+                  "attn_implementation": spec.get("fastgrpo_attn") or FASTGRPO_ATTN.get(s["attn"], s["attn"])},
         "data": {"source": spec["prompts_file"], "template": s["template"], "system_prompt": s["system_prompt"],
                  "num_eval": 1},
         "rewards": {"funcs": [*s["rewards"], f"{HERE}:spread_reward"], **_in_process_rewards()},

@@ -1,82 +1,159 @@
 #!/usr/bin/env bash
-# One command for a lent GPU machine (H100/H200): verify the kernels in bf16, then run every benchmark.
-# Budgeted to finish inside one 10-minute call. Results land in ${OUT:-benchmarks/results}/ (markdown + CSV);
-# copy the figures, with device, date and this command, into benchmarks/RESULTS.md.
+# One command for a lent GPU machine (H100/H200), inside one 10-minute device call. Issue 23's verdict comes first:
+# fastgrpo against TRL's GRPOTrainer on the same work (Qwen2.5-0.5B shapes and the tiny model, bf16), then our decode
+# loop against transformers' generate at 64 sequences; then the correctness checks on CUDA (tests, loss accuracy),
+# then the kernel benchmarks. One summary table at the end: each comparison, its ratio, its target, met / not met /
+# not run, and every step's status (benchmarks/gpu_summary.py).
 #
 #   bash benchmarks/run_gpu.sh            (or: make bench-gpu)
 #
-# The GPU image has torch/transformers/triton but not this project installed: it is installed here without
-# dependencies. Optional pure-Python wheels (e.g. liger-kernel) can travel in .whl/ and are installed first.
+# Results land in ${OUT:-benchmarks/results}/, at most 8 files (what a device call brings back): summary.md (the
+# verdict), log.txt (everything printed), bench_trl.json, decode.log, pytest.xml, bench_kernels.csv,
+# roofline_vs_measured.md, bench_learner.md. Copy the figures, with device, date and this command, into
+# benchmarks/RESULTS.md.
+#
+# The GPU image has torch/transformers/triton/accelerate but not this project, TRL, datasets or Liger: this project is
+# made importable without pip (benchmarks/gpu_env.sh), and pure-Python wheels carried in .whl/ are installed first.
+# Fetch them beside the checkout before the call (and name .whl in the call's carry):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl trl==1.16.0 \
+#     accelerate==1.15.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 liger-kernel
+# TRL and datasets for the verdict (step trl), liger-kernel for bench_kernels' Liger rows. BENCH_TRL_MODEL (a local
+# model folder, e.g. Qwen2.5-0.5B-Instruct) adds a real model to the TRL pairs; BENCH_FASTGRPO_ATTN names fastgrpo's
+# attention there (default auto: torch's varlen FlashAttention on CUDA); PYTEST_WORKERS (default 4, 0: none) sets
+# the test step's pytest-xdist processes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "run_gpu.sh: no CUDA device visible; the GPU checks and benchmarks need one (CPU: make test)" >&2
   exit 2
 fi
-# Liger rows of bench_kernels need liger-kernel (pure Python). Fetch it beside the checkout before the call:
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl liger-kernel
-# The side-by-side run against TRL (step 3b) needs TRL and accelerate there too (both pure Python):
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl trl==1.16.0 accelerate==1.15.0
-# and runs a real model folder as well when BENCH_TRL_MODEL names one (e.g. a local Qwen2.5-0.5B-Instruct).
 OUT_DIR=${OUT:-benchmarks/results}
 mkdir -p "$OUT_DIR"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/fastgrpo-gpu.XXXXXX")  # every step's output; what is kept is copied to OUT_DIR
+exec > >(tee "$OUT_DIR/log.txt") 2>&1
+TEE_PID=$!
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+# The budget: everything, set-up included, ends inside BUDGET_S (default 570 s of a 600 s call). Each step runs under
+# its own limit, cut to what is left before the summary's reserve; a step with under 20 s left is skipped and listed
+# as such. Limits (s), in the order the steps run (priority order); expected times from the first H100 run
+# (2026-11-23) where known:
+#   set-up        -    wheels, fastgrpo importable, device line (~10 s)
+#   trl         360    bench_trl: both model folders first (the 0.5B one is built on the CPU), then a pair of each
+#                      work per round (0.5B shapes, then tiny), up to 3 rounds, 2 warm-up + 10 timed steps per run;
+#                      no pair starts that the work's previous pair says would end past limit - 15 s. Runs took
+#                      20-45 s with 3 steps, mostly start-up: expect 2 pairs of the 0.5B work and 1-2 of the tiny one
+#   decode       90    bench_rollout --hf-vs-generate: 8 prompts x 8 samples = 64 sequences, 3 rounds (~40 s)
+#   accuracy     30    kernel_accuracy, bf16 vs float64 (~15 s)
+#   pytest      150    kernels, packing, losses, decode tests on CUDA, 4 pytest-xdist workers (133 items took over
+#                      130 s in one process)
+#   kernels      80    bench_kernels (shapes not started within limit - 25 s are listed as skipped)
+#   roofline     20    the speed model next to the kernels' measurement (seconds)
+#   learner     100    bench_learner, what is left (it has never finished on the GPU: last, so it costs nothing else)
+#   summary      15    the reserve: gpu_summary.py's table, always written
+# The kernels have H100 figures from the first run; when the verdict takes its full limits, the last steps are skipped
+# (listed in the summary) before any correctness check is.
+BUDGET_S=${BUDGET_S:-570}
+SUMMARY_RESERVE_S=15
+DEADLINE=$((SECONDS + BUDGET_S - SUMMARY_RESERVE_S))
+status=0
+
+record() {  # record NAME STATUS SECONDS LIMIT [NOTE]: one line of steps.tsv (read by gpu_summary.py)
+  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "${5:-}" >> "$WORK/steps.tsv"
+}
+cap() {  # cap LIMIT_S: the step's own limit, or what is left of the budget when that is less
+  local left=$((DEADLINE - SECONDS))
+  echo $(( $1 < left ? $1 : left ))
+}
+step() {  # step NAME LIMIT_S command...: run it under LIMIT_S (from cap), its output also in $WORK/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo; echo "=== [$name] $* (limit $limit s)"
+  if [ "$limit" -lt 20 ]; then
+    echo "!!! [$name] skipped: $limit s left of the budget"
+    record "$name" skipped 0 "$limit" "time budget spent"; status=1; return
+  fi
+  local t0=$SECONDS rc
+  timeout -k 5 "$limit" "$@" 2>&1 | tee "$WORK/$name.log"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 0 ]; then
+    record "$name" ok $((SECONDS - t0)) "$limit"
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "!!! [$name] timed out after $((SECONDS - t0)) s"; record "$name" timeout $((SECONDS - t0)) "$limit"; status=1
+  else
+    echo "!!! [$name] failed (exit $rc)"; record "$name" failed $((SECONDS - t0)) "$limit" "exit $rc"; status=1
+  fi
+}
+unavailable() {  # unavailable NAME WHY: a step this machine cannot run
+  echo; echo "=== [$1] not run: $2"; record "$1" unavailable 0 0 "$2"
+}
+keep() {  # keep FILE...: into OUT_DIR, right after the step (a call cut short still brings back what finished)
+  local f; for f; do [ -f "$f" ] && cp "$f" "$OUT_DIR/"; done; return 0
+}
+
+# -- set-up ------------------------------------------------------------------------------------------------------
 source benchmarks/gpu_env.sh || exit 2
 {
   date -u +"date: %Y-%m-%dT%H:%MZ"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-} | tee "$OUT_DIR/device.txt"
+  echo "command: ${BUDGET_S:+BUDGET_S=$BUDGET_S }bash benchmarks/run_gpu.sh"
+} | tee "$WORK/device.txt"
 
-status=0
-# The whole script must return inside one 10-minute device call: each step gets at most its own limit and at
-# most what is left of BUDGET_S (default 570 s); a step with under 20 s left is skipped and says so.
-DEADLINE=$((SECONDS + ${BUDGET_S:-570}))
-step() {  # step LIMIT_S command...
-  local limit=$1; shift
-  local left=$((DEADLINE - SECONDS))
-  echo; echo "=== $* (limit $(( limit < left ? limit : left )) s)"
-  if [ "$left" -lt 20 ]; then echo "!!! skipped (time budget spent): $*"; status=1; return; fi
-  timeout $(( limit < left ? limit : left )) "$@" || { echo "!!! failed or timed out: $*"; status=1; }
-}
-
-# Measured on an H100 (2026-11-23): pytest ~110 s, kernel_accuracy ~15 s, bench_trl ~210 s for 3 tiny pairs and one
-# 0.5B pair (runs of 20-45 s, mostly start-up), bench_rollout ~40 s. Steps run in priority order (correctness,
-# kernels, TRL, learner, rollout) with limits that add up to about BUDGET_S when each takes its usual time; the
-# last ones get what is left.
-
-# 1. Correctness on the GPU: bf16 kernels vs fp64, memory bound, packing/attention backends (~2 min). No -x: every
-#    failure is listed by name (-rf); a per-test limit (pytest-timeout, when installed) keeps one hang from
-#    taking the whole step.
-PYTEST_TIMEOUT=""
-if python3 -c "import pytest_timeout" 2>/dev/null; then PYTEST_TIMEOUT="--timeout=120"; fi
-step 140 python3 -m pytest -q -rf --tb=short $PYTEST_TIMEOUT tests/kernels tests/test_packing.py \
-  tests/test_losses.py -p no:cacheprovider
-# 1b. Accuracy of every loss path vs float64, bf16 on the GPU (seconds)
-step 30 python3 benchmarks/kernel_accuracy.py --n 4096 --h 1024 --v 32000 --chunk-size 1024
-# 2. Kernels: ours (cublas path) and ours_recompute (Triton) vs naive torch (TRL) vs Liger (if installed) vs the
-#    3-matmul floor (shapes not started within --budget-s are listed as skipped, never guessed)
-step 95 python3 benchmarks/bench_kernels.py --reps 3 --warmup 1 --budget-s 70 --out "$OUT_DIR/bench_kernels.csv"
-# 2b. The roofline model (benchmarks/roofline.py, a prediction made without a GPU) next to that measurement, shape
-#     by shape: the first GPU run tests the model (seconds; occupancy from the recorded sm_90 compile)
-step 20 python3 benchmarks/roofline.py --hopper-json benchmarks/hopper_sm90.json \
-  --measured "$OUT_DIR/bench_kernels.csv" --out "$OUT_DIR/roofline_vs_measured.md"
-# 3. Same GRPO work in fastgrpo and TRL's GRPOTrainer, alternated pairs (bf16 compute on both sides; ~3.5 min:
-#    no run starts after --budget-s, so the last one ends by about 195 + 25 s; runs not started are listed)
-if python3 -c "import trl" 2>/dev/null; then
-  step 225 python3 benchmarks/bench_trl.py --works tiny,qwen0.5b-shape --repeats 3 --budget-s 195 \
-    --run-timeout-s 90 ${BENCH_TRL_MODEL:+--model-path "$BENCH_TRL_MODEL"} --out "$OUT_DIR/bench_trl"
+# -- 1. the verdict: fastgrpo vs TRL, the same GRPO work, alternated pairs (bench_trl.py's docstring) ---------------
+if python3 -c "import trl, datasets" 2>/dev/null; then
+  L=$(cap 360)
+  step trl "$L" python3 benchmarks/bench_trl.py --works qwen0.5b-shape,tiny --repeats 3 --steps 10 --warmup 2 \
+    --budget-s $((L - 15)) --run-timeout-s 120 ${BENCH_TRL_MODEL:+--model-path "$BENCH_TRL_MODEL"} \
+    ${BENCH_FASTGRPO_ATTN:+--fastgrpo-attn "$BENCH_FASTGRPO_ATTN"} --out "$WORK/bench_trl"
+  keep "$WORK/bench_trl.json"
 else
-  echo; echo "=== bench_trl skipped: trl is not importable (wheels of trl and accelerate in .whl/, see the top)"
+  unavailable trl "trl or datasets is not importable (carry their wheels in .whl/, see the top)"
 fi
-# 4. Learner: padded vs packed policy update, tokens/s and MFU on the Qwen2.5-0.5B shape (~1.5 min; progress
-#    printed per step, tables written after each run, so a cut-short run keeps its finished rows)
-step 100 python3 benchmarks/bench_learner.py --budget-s 70 --out "$OUT_DIR/bench_learner"
-# 5. Rollout: transformers engine (vLLM only where installed) (~40 s)
-if python3 -c "import vllm" 2>/dev/null; then
-  step 60 python3 benchmarks/bench_rollout.py --shape qwen2.5-0.5b --out "$OUT_DIR/bench_rollout"
-else  # no vLLM on this machine: our decode loop against transformers' generate, same model and prompts
-  step 60 python3 benchmarks/bench_rollout.py --shape qwen2.5-0.5b --hf-vs-generate
+
+# -- 2. decode: our hf engine (graph-replayed lean step on CUDA) vs transformers' generate, 64 sequences ------------
+#    Random Qwen2.5-0.5B shapes in bf16, no EOS (every sequence 128 new tokens on both sides), alternated rounds.
+step decode "$(cap 90)" python3 benchmarks/bench_rollout.py --shape qwen2.5-0.5b --hf-vs-generate --no-eos \
+  --prompts 8 --n 8 --hf-batch-size 64 --prompt-len 64 --max-tokens 128 --rounds 3
+keep "$WORK/decode.log"
+
+# -- 3. correctness on CUDA: the accuracy of every loss path vs float64 in bf16 (seconds), then the tests ---------
+step accuracy "$(cap 30)" python3 benchmarks/kernel_accuracy.py --n 4096 --h 1024 --v 32000 --chunk-size 1024
+#    The tests: bf16 kernels vs fp64, memory bounds, packing exactness per attention backend (torch_varlen included),
+#    losses, the decode step (CUDA graph). No -x: every failure is named (-rf, and in pytest.xml); a per-test limit
+#    (pytest-timeout) keeps one hang from taking the whole step.
+PYTEST_ARGS=(-q -rf --tb=short -p no:cacheprovider --junitxml="$WORK/pytest.xml")
+if python3 -c "import pytest_timeout" 2>/dev/null; then PYTEST_ARGS+=(--timeout=60); fi
+if [ "${PYTEST_WORKERS:-4}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+  PYTEST_ARGS+=(-n "${PYTEST_WORKERS:-4}")
 fi
+step pytest "$(cap 150)" python3 -m pytest "${PYTEST_ARGS[@]}" tests/test_packing.py tests/test_lean_decode.py \
+  tests/test_rollout_hf.py tests/kernels tests/test_losses.py
+keep "$WORK/pytest.xml"
+
+# -- 4. kernels: ours (cublas path) and ours_recompute (Triton) vs naive torch (TRL) vs Liger (if installed) vs the
+#    3-matmul floor (shapes not started within --budget-s are listed as skipped, never guessed); then the roofline
+#    model (benchmarks/roofline.py, a prediction made without a GPU) next to that measurement, shape by shape.
+L=$(cap 80)
+step kernels "$L" python3 benchmarks/bench_kernels.py --reps 3 --warmup 1 --budget-s $((L > 45 ? L - 25 : 20)) \
+  --out "$WORK/bench_kernels.csv"
+keep "$WORK/bench_kernels.csv"
+if [ -f "$WORK/bench_kernels.csv" ]; then
+  step roofline "$(cap 20)" python3 benchmarks/roofline.py --hopper-json benchmarks/hopper_sm90.json \
+    --measured "$WORK/bench_kernels.csv" --out "$WORK/roofline_vs_measured.md"
+  keep "$WORK/roofline_vs_measured.md"
+else
+  unavailable roofline "no bench_kernels.csv to compare with"
+fi
+
+# -- 5. learner: padded vs packed policy update on the Qwen2.5-0.5B shape (progress printed per step) ----------------
+L=$(cap 100)
+step learner "$L" python3 benchmarks/bench_learner.py --budget-s $((L > 50 ? L - 30 : 20)) --out "$WORK/bench_learner"
+keep "$WORK/bench_learner.md"
+
+# -- the summary: one table, printed and in OUT_DIR/summary.md ------------------------------------------------------
+echo; echo "=== summary ($((SECONDS)) s since the start; steps and their outputs in $WORK)"
+timeout 20 python3 benchmarks/gpu_summary.py --work "$WORK" --out "$OUT_DIR/summary.md" || status=1
+exec >&- 2>&-  # let tee finish log.txt before the call collects it
+wait "$TEE_PID" 2>/dev/null
 exit $status

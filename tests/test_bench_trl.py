@@ -1,4 +1,6 @@
-"""The side-by-side benchmark against TRL gives both trainers the same work (benchmarks/peer_work.py).
+"""The side-by-side benchmark against TRL gives both trainers the same work (benchmarks/peer_work.py), keeps
+start-up and warm-up out of its ratios (benchmarks/bench_trl.py), and the GPU call's summary gives each of issue 23's
+targets its verdict (benchmarks/gpu_summary.py; on fabricated step outputs, never a device's figures).
 
 Runs without TRL: the fastgrpo side is checked through fastgrpo's own config loader; the TRL side through
 GRPOConfig only where TRL is installed (the bench environment, `make bench-env`).
@@ -70,3 +72,159 @@ def test_spread_reward_varies_within_a_group():
     scores = peer_work.spread_reward(completions=["a"] * 4, completion_ids=ids, nums=[[1]] * 4)
     assert scores == [15 / 100, 16 / 100, 9 / 100, 1 / 100]
     assert len(set(scores)) == len(scores)
+
+
+# -- timing: start-up and warm-up apart from the timed steps; pairs scheduled within a budget ----------------------
+
+
+def _run(side, repeat, step_s, *, launch=1000.0, startup=7.0, gen=0.1, update=None, work=None):
+    """A finished run record as bench_trl.run_side returns it (fabricated test data)."""
+    work = work or {"sequences": 2, "prompt_len": 3, "max_completion_length": 4}
+    t, steps = launch + startup, []
+    for i, s in enumerate(step_s):
+        steps.append({"step": i + 1, "t_begin": t, "step_s": s, "gen_s": gen, "update_s": update or s - gen,
+                      "prompt_tokens": work["sequences"] * work["prompt_len"],
+                      "completion_tokens": work["sequences"] * work["max_completion_length"]})
+        t += s
+    return {"side": side, "repeat": repeat, "steps": steps, "launch_time": launch, "peak_rss_bytes": 10**9,
+            "cuda_peak_bytes": None, "wall_s": t - launch, "error": ""}
+
+
+def test_phases_keep_start_up_and_warm_up_apart_from_the_timed_steps():
+    from benchmarks.bench_trl import phases
+
+    ph = phases(_run("fastgrpo", 0, [9.0, 2.0, 1.0, 1.2, 0.8], startup=7.5), warmup=2)
+    assert ph["startup_s"] == pytest.approx(7.5)
+    assert ph["first_step_s"] == 9.0 and ph["other_warmup_s"] == [2.0]
+    assert ph["timed_steps"] == 3 and ph["timed_step_s"] == (1.0, 0.8, 1.2)
+
+
+def test_ratios_use_only_the_timed_steps_and_the_phases_are_reported_beside_them():
+    from benchmarks.bench_trl import markdown, summarize
+
+    work = {"sequences": 2, "prompt_len": 3, "max_completion_length": 4, "warmup": 2, "steps": 3, "model": "m",
+            "prompts_per_step": 1, "generations": 2}
+    runs = [_run("fastgrpo", 0, [50.0, 5.0, 1.0, 1.0, 1.0]), _run("trl", 0, [1.0, 1.0, 2.0, 2.0, 2.0], startup=3.0)]
+    s = summarize("w", work, runs)
+    step = next(r for r in s["rows"] if r["metric"] == "step")
+    assert step["ratios"] == [0.5]  # the 50 s first step (a compile) is not in it
+    assert s["phases"]["fastgrpo"][0]["first_step_s"] == 50.0 and s["phases"]["trl"][0]["startup_s"] == 3.0
+    text = markdown(s)
+    assert "first step" in text and "50.00" in text and "0.50 (0.50-0.50)" in text
+
+
+def test_fastgrpo_steps_take_their_clock_from_the_train_step_stamps(tmp_path):
+    import json
+
+    from benchmarks.bench_trl import STEP_TIMES, _read_steps
+
+    (tmp_path / "fastgrpo").mkdir()
+    metrics = [{"step": i, "time/rollout_s": 0.5, "time/update_s": 0.25, "perf/rollout_tokens": 8,
+                "perf/update_tokens": 14} for i in (1, 2)]
+    (tmp_path / "fastgrpo" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (tmp_path / STEP_TIMES).write_text(json.dumps({"t_begin": 123.0, "step_s": 0.9}) + "\n")  # 2nd not stamped
+    steps = _read_steps("fastgrpo", tmp_path)
+    assert steps[0]["t_begin"] == 123.0 and steps[0]["step_s"] == 0.9  # the whole train_step
+    assert "t_begin" not in steps[1] and steps[1]["step_s"] == 0.75  # rollout + update
+    assert steps[1]["prompt_tokens"] == 6 and steps[1]["completion_tokens"] == 8
+
+
+def test_pairs_take_turns_between_works_and_none_starts_past_the_budget():
+    from benchmarks.bench_trl import alternated_pairs
+
+    now = [0.0]
+    pair_seconds = {"big": 100.0, "small": 30.0}
+    order = []
+
+    def run_pair(name, rep, sides):
+        order.append((name, rep, sides))
+        now[0] += pair_seconds[name]
+        return [{"side": s, "repeat": rep, "steps": [], "error": ""} for s in sides]
+
+    runs = alternated_pairs(["big", "small"], 3, 200.0, run_pair, clock=lambda: now[0])
+    # round 0: big (0-100), small (100-130); round 1: big would end at 230 > 200: skipped; small ends at 160;
+    # round 2: small would end at 190: runs.
+    assert order == [("big", 0, ("fastgrpo", "trl")), ("small", 0, ("fastgrpo", "trl")),
+                     ("small", 1, ("trl", "fastgrpo")), ("small", 2, ("fastgrpo", "trl"))]
+    assert [r["error"] for r in runs["big"]] == ["", "", "skipped: time budget", "skipped: time budget"] + [
+        "skipped: time budget"] * 2
+    assert len(runs["small"]) == 6 and not any(r["error"] for r in runs["small"])
+
+
+# -- the GPU call's summary (benchmarks/gpu_summary.py), on fabricated outputs of each step ---------------------
+
+
+def _decode_table(monkeypatch, ours_s: float, theirs_s: float) -> str:
+    """bench_rollout's own --hf-vs-generate table (its ``alternated``), timed by a fake clock: test data."""
+    import types
+
+    from benchmarks import bench_rollout
+
+    clock = [0.0]
+
+    def timed(seconds):
+        def fn():
+            clock[0] += seconds
+            return 64 * 128
+        return fn
+
+    monkeypatch.setattr(bench_rollout, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    table, _ = bench_rollout.alternated({"fastgrpo HFEngine": timed(ours_s), "transformers generate": timed(theirs_s)},
+                                        "transformers generate", 3)
+    return "device: TEST DATA; 8 prompts x 8 samples, prompt 64 tokens\n\n" + table
+
+
+def test_decode_ratio_is_read_from_bench_rollouts_table(monkeypatch):
+    from benchmarks.gpu_summary import parse_decode
+
+    parsed = parse_decode(_decode_table(monkeypatch, 1.0, 4.0))
+    assert parsed["sequences"] == 64
+    assert parsed["rows"]["fastgrpo HFEngine"]["ratio"] == (0.25, 0.25, 0.25)
+    assert parsed["rows"]["transformers generate"]["tokens"] == 64 * 128
+
+
+def test_gpu_summary_gives_each_target_its_verdict(tmp_path, monkeypatch):
+    """Fabricated step outputs (TEST DATA, no figure of any device): the 0.5B pair meets the update target and
+    misses the step target, decode is 4x generate, one test failed, the kernels step was skipped."""
+    import json
+
+    from benchmarks.bench_trl import summarize
+    from benchmarks.gpu_summary import summary
+
+    work = {"sequences": 2, "prompt_len": 3, "max_completion_length": 4, "warmup": 1, "steps": 2, "model": "m",
+            "prompts_per_step": 1, "generations": 2}
+    # fastgrpo: step 1.4 s = 0.9 generation + 0.5 update; TRL: step 2.0 = 1.0 + 1.0 -> update 0.5x, step 0.7x
+    runs = [_run("fastgrpo", 0, [5.0, 1.4, 1.4], gen=0.9), _run("trl", 0, [5.0, 2.0, 2.0], gen=1.0)]
+    trl = {"command": "TEST", "works": [summarize("qwen0.5b-shape", work, runs) | {"runs": runs}]}
+    (tmp_path / "bench_trl.json").write_text(json.dumps(trl))
+    (tmp_path / "decode.log").write_text(_decode_table(monkeypatch, 1.0, 4.0))
+    (tmp_path / "pytest.xml").write_text(
+        '<testsuites><testsuite name="pytest" tests="3" failures="1" errors="0" skipped="1">'
+        '<testcase classname="tests.test_packing" name="test_a"/>'
+        '<testcase classname="tests.test_packing" name="test_b"><failure message="x"/></testcase>'
+        '<testcase classname="tests.test_packing" name="test_c"><skipped/></testcase></testsuite></testsuites>')
+    (tmp_path / "steps.tsv").write_text("trl\tok\t200\t330\t\ndecode\tok\t40\t90\t\npytest\tfailed\t60\t150\texit 1\n"
+                                        "kernels\tskipped\t0\t12\ttime budget spent\n")
+    (tmp_path / "device.txt").write_text("TEST DATA")
+    text = summary(tmp_path)
+    verdict = {line.split("|")[1].strip(): line.split("|")[4].strip() for line in text.splitlines()
+               if line.startswith("| ") and line.count("|") == 5}
+    assert verdict["policy update, fastgrpo / TRL, Qwen2.5-0.5B shapes, bf16"] == "met"  # 0.5 <= 0.7
+    assert verdict["whole step, fastgrpo / TRL, Qwen2.5-0.5B shapes, bf16"] == "not met"  # 0.7 > 0.6
+    assert verdict["policy update, fastgrpo / TRL, tiny model, bf16"] == "not run"
+    assert "| tiny: no finished pair; step trl ok |" in text
+    assert verdict["decode, fastgrpo hf engine vs transformers `generate`, 64 sequences (speed-up)"] == "met"
+    assert verdict["kernels, packing, losses, decode tests on CUDA (failed + errors)"] == "not met"
+    assert "`tests.test_packing::test_b`" in text and "| kernels | skipped | 0 | 12 | time budget spent |" in text
+    assert "4.00x" in text and "0.50 (0.50-0.50), 1 pair" in text
+
+
+def test_gpu_summary_says_why_nothing_was_measured(tmp_path):
+    from benchmarks.gpu_summary import summary
+
+    (tmp_path / "steps.tsv").write_text("trl\tunavailable\t0\t0\ttrl or datasets is not importable\n"
+                                        "decode\ttimeout\t90\t90\t\n")
+    text = summary(tmp_path)
+    assert "step trl unavailable: trl or datasets is not importable | <= 0.7 | not run |" in text
+    assert "step decode timeout after 90 s | >= 2x | not run |" in text
+    assert "step pytest not in this call" in text

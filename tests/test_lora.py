@@ -139,9 +139,13 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted_lora_run(tmp_path):
     from safetensors.torch import load_file
     from test_trainer import TOY, _cli
 
+    # A reward that differs between almost any two completions, so every step has advantages to learn from (the
+    # toy reward is rarely earned in 3 steps by the random model, and then the adapters would not move).
+    spread = tmp_path / "spread.py"
+    spread.write_text("def spread(completions, **kw):\n    return [float(sum(map(ord, c)) % 7) for c in completions]\n")
     common = TOY + [f"output_dir={tmp_path}", "max_steps=3", "checkpoint.every=1", "checkpoint.export_hf=true",
                     "rollout.max_completion_length=3", "grpo.prompts_per_step=4", "grpo.num_generations=4",
-                    "model.lora.rank=4", "grpo.beta=0.05"]
+                    "model.lora.rank=4", "grpo.beta=0.05", f"rewards.funcs=[{spread}:spread]"]
     ref = _cli(common + ["name=straight"])
     assert ref.returncode == 0, ref.stderr[-2000:]
     killed = _cli(common + ["name=killed"], {"FASTGRPO_FAULT_KILL_AT_STEP": "3"})

@@ -1,7 +1,9 @@
 import json
 
+import pytest
 import torch
 
+from benchmarks.op_counter import OpCounter
 from fastgrpo.metrics import StepMetrics, drop_records_after
 
 
@@ -81,3 +83,38 @@ def test_a_broken_line_in_the_middle_names_its_line(tmp_path):
     p.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl line 2 is not valid JSON"):
         drop_records_after(p, 5)
+
+
+def test_add_many_gives_the_numbers_of_add():
+    gen = torch.Generator().manual_seed(0)
+    one, many = StepMetrics(), StepMetrics()
+    for n in (7.0, 1.0, 30.0):  # three micro-batches of n tokens
+        stats = {f"s{k}": torch.rand((), generator=gen) for k in range(4)}
+        for key, value in stats.items():
+            one.add(key, value, n)
+        many.add_many(stats, n)
+    assert one.reduce() == many.reduce()
+
+
+def test_a_metric_is_added_the_same_way_every_time():
+    m = StepMetrics()
+    m.add_many({"a": torch.tensor(1.0), "b": torch.tensor(2.0)}, 3.0)
+    with pytest.raises(ValueError, match="'a'"):
+        m.add("a", torch.tensor(1.0))
+
+
+def test_nothing_is_read_from_the_device_before_reduce_and_reduce_reads_once():
+    m = StepMetrics()
+    counter = OpCounter()
+    with counter.active():
+        for n in (3.0, 5.0):
+            m.add_many({"a": torch.tensor(0.5), "b": torch.tensor(0.25)}, n)
+            m.total("loss", torch.tensor(1.5))
+        m.set("grad_norm", torch.tensor(2.0))
+        m.moments(torch.tensor([1.0, float("nan"), 3.0]), "r/mean", "r/std")
+        m.max("len_max", torch.tensor(4.0))
+        m.min("adv_min", torch.tensor(-1.0))
+        assert counter.total(kind="syncs") == 0, counter.by_name(kind="syncs")
+        out = m.reduce()
+    assert counter.total(kind="syncs") == 1
+    assert out["a"] == 0.5 and out["loss"] == 3.0 and out["r/mean"] == 2.0 and out["adv_min"] == -1.0
