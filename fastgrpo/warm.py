@@ -24,10 +24,10 @@ measurements: benchmarks/RESULTS.md, "Learning: the CPU demo".
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
-import fcntl
 import shutil
 import subprocess
 import sys
