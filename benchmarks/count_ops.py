@@ -316,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=1, help="counted steps per run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fastgrpo-attn", default=None,
+                    help="fastgrpo's model.attn_implementation (default: peer_work's, auto). 'sdpa' gives one attention "
+                         "call per layer over the packed row, as torch_varlen does on CUDA: the launch proxy for a GPU")
     ap.add_argument("--workdir", default=None, help="model folders, prompts, runs (default: $FASTGRPO_CACHE or "
                                                     "~/.cache/fastgrpo, under count-ops/)")
     ap.add_argument("--run-timeout-s", type=float, default=1800)
@@ -346,9 +349,12 @@ def main(argv: list[str] | None = None) -> int:
                     "trl": trl_mbs}
         for side in sides:
             for setting in settings[side]:
-                run = run_child(side, {**spec, "run_dir": str(root / "runs" / name / side)}, setting,
-                                args.run_timeout_s)
+                run = run_child(side, {**spec, "run_dir": str(root / "runs" / name / side),
+                                       **({"fastgrpo_attn": args.fastgrpo_attn} if args.fastgrpo_attn else {})},
+                                setting, args.run_timeout_s)
                 label = f"{setting} tokens" if side == "fastgrpo" else f"{setting} sequences"
+                if side == "fastgrpo" and args.fastgrpo_attn:
+                    label += f", {args.fastgrpo_attn}"
                 results.append({"work": name, "side": side, "setting": setting, **run})
                 rows.append(_row(name, side, label, run))
                 print(rows[-1], file=sys.stderr, flush=True)

@@ -36,18 +36,20 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "
 
     ``all_reduce`` sums a tensor over ranks in place (the trainer passes torch.distributed's): the batch std of
     ``scale="batch"`` is then the global batch's, so advantages do not depend on the number of ranks. Groups
-    never span ranks, so group statistics need no communication.
+    never span ranks, so group statistics need no communication. The statistics are taken in float64 (rewards
+    near float32's limit would overflow a float32 std or sum of squares to inf, and every advantage to 0); the
+    results are float32.
     """
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be [B*G] with G={group_size}, got shape {tuple(rewards.shape)}")
-    grouped = rewards.float().view(-1, group_size)  # [B, G]
+    grouped = rewards.double().view(-1, group_size)  # [B, G]
     mean = grouped.mean(dim=1, keepdim=True)  # [B, 1]
     std = grouped.std(dim=1)  # [B]
     centred = grouped - mean  # [B, G]
     if scale == "group":
         centred = centred / (std[:, None] + EPS)
     elif scale == "batch":
-        r = rewards.float()
+        r = rewards.double()
         sums = torch.stack([r.sum(), (r * r).sum(), r.new_tensor(float(r.numel()))])  # [3]
         if all_reduce is not None:
             sums = all_reduce(sums)
@@ -57,7 +59,7 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "
     elif scale != "none":
         raise ValueError(f"scale_rewards must be group, batch or none, got {scale!r}")
     zero = (grouped.max(dim=1).values - grouped.min(dim=1).values) == 0  # [B]
-    return AdvantageResult(advantages=centred.reshape(-1), group_std=std, zero_std_mask=zero)
+    return AdvantageResult(advantages=centred.reshape(-1).float(), group_std=std.float(), zero_std_mask=zero)
 
 
 def self_imitation_mask(rewards: torch.Tensor, group_size: int, top_k: int,

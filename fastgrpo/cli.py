@@ -1,8 +1,11 @@
 """The command line shared by ``fastgrpo.train`` and ``fastgrpo.sft``: parse, load and check the config, start
 torch.distributed, build the trainer, run it, and turn the errors a user can cause into one line and an exit code.
 
-Exit codes: 0 done; 2 bad config, data, model path or missing extra (before any training); 1 a run that started
-and then failed for a reason it names (a full disk, ``rewards.on_error=raise``, too many non-finite updates).
+Exit codes: 0 done; 2 bad config, data, model path or missing extra, or a run folder in use (before any training);
+1 a run that started and then failed for a reason it names (a full disk, ``rewards.on_error=raise``, too many
+non-finite updates); 143 (128 + SIGTERM) stopped early by SIGTERM, with a checkpoint saved: the same command
+resumes; 130 (128 + SIGINT) interrupted by Ctrl-C / SIGINT, resumable from the last checkpoint. Each is one line
+on stderr, no traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any, Callable
 
 from fastgrpo.config import ConfigError, describe, load_config
 from fastgrpo import distributed as fdist
-from fastgrpo.errors import RunError
+from fastgrpo.errors import Preempted, RunError
 from fastgrpo.metrics import SINKS
 
 
@@ -21,6 +24,12 @@ def check_sinks(cfg: Any) -> None:
     """A missing metrics extra (wandb) is a one-line message with the install command, before anything loads."""
     for sink in cfg.log.report_to:
         SINKS[sink].check_available()
+
+
+EXIT_PREEMPTED = 128 + 15
+"""Exit status of a run that SIGTERM stopped early (as a shell reports a process that SIGTERM ended)."""
+EXIT_INTERRUPTED = 128 + 2
+"""Exit status after SIGINT (Ctrl-C)."""
 
 
 def run_cli(argv: list[str] | None, *, prog: str, description: str, cls: type, make_trainer: Callable[[Any], Any],
@@ -37,6 +46,17 @@ def run_cli(argv: list[str] | None, *, prog: str, description: str, cls: type, m
         print(describe(cls))
         return 0
     try:
+        return _run(args, prog=prog, cls=cls, make_trainer=make_trainer, summary_prefixes=summary_prefixes,
+                    done=done, preflight=preflight)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever it landed
+        print(f"{prog}: interrupted (SIGINT); checkpoints are written atomically, so the same command resumes from "
+              "the last one", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(args: argparse.Namespace, *, prog: str, cls: type, make_trainer: Callable[[Any], Any],
+         summary_prefixes: tuple[str, ...], done: str, preflight: Callable[[Any], None]) -> int:
+    try:
         cfg = load_config(args.config, args.overrides, cls=cls)
         preflight(cfg)
     except (ConfigError, ImportError) as e:
@@ -52,6 +72,9 @@ def run_cli(argv: list[str] | None, *, prog: str, description: str, cls: type, m
             return 2
         try:
             record = trainer.run()
+        except Preempted as e:
+            print(f"{prog}: stopped early: {e}", file=sys.stderr)
+            return EXIT_PREEMPTED
         except RunError as e:  # one line, not a traceback from deep inside
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 1

@@ -125,8 +125,11 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 def all_reduce_int(value: int, op: str = "max", *, device: torch.device | str = "cpu") -> int:
     """All-reduce a Python int (e.g. the number of micro-batches) and return it; a host sync, once per step.
 
-    device must be one the process group's backend can reduce on (CUDA for NCCL).
+    device must be one the process group's backend can reduce on (CUDA for NCCL). In a single process the value is
+    returned as it is: no tensor, no host sync.
     """
+    if not is_distributed():
+        return int(value)
     t = torch.tensor([value], dtype=torch.int64, device=device)
     return int(all_reduce_(t, op).item())
 

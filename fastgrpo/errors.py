@@ -20,6 +20,10 @@ class NonFiniteError(RunError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
+class Preempted(RunError):
+    """SIGTERM stopped the run before max_steps; it saved a checkpoint, and the same command resumes it."""
+
+
 class DiskFullError(RunError):
     """A write failed for lack of space (or quota)."""
 

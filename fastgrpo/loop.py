@@ -2,9 +2,10 @@
 :class:`~fastgrpo.sft.SFTTrainer`): the policy model and its optimizer, resume and atomic checkpoints, and the step
 loop with its logs, evaluations, preemption handling and Hugging Face export.
 
-A subclass calls :meth:`TrainingLoop._init_run`, builds its data (``self.sampler``, a PromptSampler) and tokenizer,
-calls :meth:`TrainingLoop._init_model`, and implements ``train_step() -> (record, extra)``, ``evaluate() -> dict``
-and optionally ``log_rows(extra) -> list[dict]`` (rows for completions.jsonl).
+A subclass's ``__init__`` (decorated with :func:`closes_on_error`) calls :meth:`TrainingLoop._init_run`, builds
+its data (``self.sampler``, a PromptSampler) and tokenizer, calls :meth:`TrainingLoop._init_model`, and implements
+``train_step() -> (record, extra)``, ``evaluate() -> dict``, ``check_context(limit)`` (every sequence fits the
+model's positions) and optionally ``log_rows(extra) -> list[dict]`` (rows for completions.jsonl).
 
 The run config (TrainConfig, SFTConfig) has ``name``, ``max_steps``, ``seed``, ``device`` and the sections
 ``model``, ``optim``, ``parallel``, ``checkpoint``, ``eval`` and ``log``.
@@ -12,11 +13,12 @@ The run config (TrainConfig, SFTConfig) has ``name``, ``max_steps``, ``seed``, `
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -24,11 +26,12 @@ from fastgrpo import checkpoint as ckpt
 from fastgrpo import distributed as fdist
 from fastgrpo import preflight
 from fastgrpo.config import to_dict
+from fastgrpo.errors import Preempted
 from fastgrpo.guard import NonFiniteGuard
 from fastgrpo.metrics import RunLog, drop_records_after
 from fastgrpo.lora import apply_lora, check_peft_available, trainable_parameters
 from fastgrpo.memory import set_malloc_mmap_threshold
-from fastgrpo.model import check_plain_head, load_model
+from fastgrpo.model import check_plain_head, load_model, resolve_model_path
 from fastgrpo.parallelize import parallelize_model, uses_fsdp
 
 # Test hook: SIGKILL this process in the middle of the given step (GRPO: after its rollout, before its update; SFT:
@@ -51,6 +54,21 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, tota
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def closes_on_error(init: Callable) -> Callable:
+    """For a subclass's ``__init__``: if it fails, ``close()`` what it had started (the run folder's lock, reward
+    workers) before the error goes on, as the caller has no object to close."""
+
+    @functools.wraps(init)
+    def wrapper(self: "TrainingLoop", *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            self.close()
+            raise
+
+    return wrapper
+
+
 class TrainingLoop:
     """Set-up, checkpoints and the step loop of a run; see the module docstring for what a subclass provides."""
 
@@ -68,6 +86,33 @@ class TrainingLoop:
         # Cheap checks first: the launch and the run folder fail before any data or model loads.
         preflight.check_launch(cfg, self.world_size)
         preflight.check_run_dir(cfg)
+        preflight.check_inputs(cfg)
+        self._lock_run_dir()
+        self._config_changes = preflight.config_changes(cfg)
+
+    def _lock_run_dir(self) -> None:
+        """Rank 0 locks the run folder (:class:`fastgrpo.preflight.RunLock`); every rank fails if it cannot."""
+        self._lock, error = None, ""
+        if self.is_main:
+            try:
+                self._lock = preflight.RunLock(self.run_dir)
+            except ValueError as e:
+                error = str(e)
+        if fdist.all_reduce_int(int(bool(error)), "max", device=self.device):
+            raise ValueError(error or preflight.lock_holder_message(self.run_dir))
+
+    def _release_run_dir(self) -> None:
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
+
+    def close(self) -> None:
+        """Release the run folder (subclasses also stop their workers)."""
+        self._release_run_dir()
+
+    def check_context(self, limit: int) -> None:
+        """ValueError naming the first row whose sequence does not fit the model's ``limit`` positions."""
+        raise NotImplementedError
 
     def _init_model(self, total_updates: int) -> None:
         """The policy (loaded, parallelized), AdamW, the LR schedule over ``total_updates``; then resume."""
@@ -80,14 +125,22 @@ class TrainingLoop:
             master_dtype = torch.float32
         if cfg.model.lora.enabled:
             check_peft_available()  # before the model loads
+        # Sequences longer than the model's positions train on untrained embeddings (transformers only warns), or
+        # fail minutes in: checked before the model loads when its config.json is local, else right after.
+        limit = preflight.context_length(resolve_model_path(cfg.model, seed=cfg.seed))
+        if limit:
+            self.check_context(limit)
         model = load_model(cfg.model, device=self.device, dtype=master_dtype, seed=cfg.seed)
+        if limit is None and getattr(model.config.get_text_config(), "max_position_embeddings", None):
+            self.check_context(model.config.get_text_config().max_position_embeddings)
         check_plain_head(model)  # logits must be hidden @ lm_head.weight.T, checked before any step
         if cfg.model.lora.enabled:  # adapters on the frozen base; only they train and reach the optimizer
             model = apply_lora(model, cfg.model.lora)
         self.model = parallelize_model(model, cfg.parallel, device=self.device, world_size=self.world_size)
         o = cfg.optim
+        # fused: one kernel for every parameter's update (torch's default is a loop of several ops per parameter).
         self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=o.lr, betas=tuple(o.betas),
-                                           weight_decay=o.weight_decay)
+                                           weight_decay=o.weight_decay, fused=True)
         self.total_updates = total_updates
         self.scheduler = build_scheduler(self.optimizer, warmup_steps=o.warmup_steps, total_steps=total_updates,
                                          schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
@@ -139,8 +192,15 @@ class TrainingLoop:
 
     def run(self) -> dict[str, float]:
         """Steps up to ``max_steps`` (from a resumed step), then a final checkpoint and export; the last record.
-        ``train_step`` returns a record of None when SIGTERM cut the step short (it was dropped, and the data
-        position is back where it was before it): the run then saves and stops."""
+        SIGTERM saves a checkpoint and raises :class:`~fastgrpo.errors.Preempted` (a run that stopped early is not
+        a finished one). ``train_step`` returns a record of None when SIGTERM cut the step short (it was dropped,
+        and the data position is back where it was before it). The run folder is unlocked when it returns."""
+        try:
+            return self._run()
+        finally:
+            self._release_run_dir()
+
+    def _run(self) -> dict[str, float]:
         cfg = self.cfg
         if self.step >= cfg.max_steps:
             if cfg.checkpoint.export_hf and not (self.run_dir / "final").is_dir():
@@ -159,6 +219,8 @@ class TrainingLoop:
         eval_at_start = self.step == 0 and cfg.eval.at_start and cfg.eval.every >= 0 and self.has_eval_data()
         if eval_at_start and self.is_main:  # a fresh start: a step-0 record of an earlier attempt goes
             drop_records_after(self.run_dir / "metrics.jsonl", -1)
+        if self.is_main and self._config_changes:  # checkpoint.allow_config_change: the old config is kept
+            preflight.keep_config(self.run_dir, self.step)
         log = RunLog(self.run_dir, report_to=cfg.log.report_to, name=cfg.name, project=cfg.log.wandb_project,
                      config=to_dict(cfg), step=self.step, max_steps=cfg.max_steps, enabled=self.is_main,
                      progress=cfg.log.progress, desc=self.progress_name)
@@ -166,7 +228,7 @@ class TrainingLoop:
         self._sigterm = False
         previous = None
         if threading.current_thread() is threading.main_thread():
-            # Preemption (SIGTERM from a scheduler, or torchrun relaying one): finish the step, save, exit 0.
+            # Preemption (SIGTERM from a scheduler, or torchrun relaying one): finish the step, save, stop.
             previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             if eval_at_start:
@@ -175,11 +237,9 @@ class TrainingLoop:
                 step_record, extra = self.train_step()
                 if step_record is None:  # SIGTERM cut the step short on some rank: it was dropped
                     self._save()
-                    if self.is_main:
-                        log.bar.write(f"[fastgrpo] SIGTERM during step {self.step + 1}: dropped that step and "
-                                      f"saved step {self.step} to {self.run_dir / 'checkpoints'}; run the same "
-                                      "command again to resume")
-                    return record
+                    raise Preempted(f"SIGTERM during step {self.step + 1}: dropped that step and saved step "
+                                    f"{self.step} to {self.run_dir / 'checkpoints'}; run the same command again to "
+                                    "resume")
                 record = step_record
                 stop = self._stop_requested()
                 if not stop and self._due(cfg.eval.every):  # preempted: save first
@@ -187,10 +247,8 @@ class TrainingLoop:
                 log.write(record, self.log_rows(extra) if self.is_main else [])
                 if stop:
                     self._save()
-                    if self.is_main:
-                        log.bar.write(f"[fastgrpo] SIGTERM: saved step {self.step} to "
-                                      f"{self.run_dir / 'checkpoints'}; run the same command again to resume")
-                    return record
+                    raise Preempted(f"SIGTERM after step {self.step}: saved it to {self.run_dir / 'checkpoints'}; "
+                                    "run the same command again to resume")
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.max_steps:
                     self._save()
             self._save()

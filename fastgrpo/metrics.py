@@ -7,6 +7,7 @@ Inside a micro-batch nothing leaves the device: values are added as tensors into
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -209,8 +210,22 @@ def drop_records_after(path: Path, step: int) -> None:
         os.replace(tmp, path)
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with every number a JSON number: JSON has no NaN or Infinity (Python writes them, and strict readers
+    reject the line), so a non-finite number becomes null; tensors and numpy scalars become floats."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
 class JsonlSink:
-    """Appends one JSON object per line; flushed per write so a killed run keeps every finished step."""
+    """Appends one JSON object per line (non-finite numbers as null); flushed per write so a killed run keeps every
+    finished step."""
 
     @classmethod
     def for_run(cls, run_dir: Path, *, name: str, project: str, config: dict) -> "JsonlSink":
@@ -227,7 +242,7 @@ class JsonlSink:
 
     def write(self, record: dict) -> None:
         try:
-            self._f.write(json.dumps(record, default=float) + "\n")
+            self._f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
             self._f.flush()
         except OSError as e:
             if is_disk_full(e):

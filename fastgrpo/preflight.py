@@ -5,12 +5,19 @@ Each failure is a ValueError with one line that names the setting or the path an
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import json
 import os
 import shutil
+import socket
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from fastgrpo import checkpoint as ckpt
-from fastgrpo.config import TrainConfig
+from fastgrpo.config import TrainConfig, not_a_file, run_defining_changes
 
 LOGS = ("metrics.jsonl", "completions.jsonl")
 """The run folder's append-only logs."""
@@ -40,6 +47,9 @@ def check_run_dir(cfg: TrainConfig) -> None:
         if (run / name).is_dir():
             raise ValueError(f"{str(run / name)!r} is a folder; the run writes a file there: move it away")
     existing = next(p for p in (run, *run.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{str(existing)!r} is a file, so the run folder {str(run)!r} cannot be created under it; "
+                         "choose another output_dir")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write to {str(existing)!r} (permission denied), so the run folder {str(run)!r} "
                          "cannot be created; choose another output_dir")
@@ -64,3 +74,156 @@ def clear_run(run: Path) -> None:
     shutil.rmtree(run / "final", ignore_errors=True)
     for name in LOGS:
         (run / name).unlink(missing_ok=True)
+
+
+def check_inputs(cfg: Any) -> None:
+    """Input files the config names (data.source, reward plugin files) that exist but are no regular file or
+    folder (a FIFO, a device) are named as what they are, not as missing."""
+    paths = [("data.source", cfg.data.source)]
+    for spec in getattr(getattr(cfg, "rewards", None), "funcs", []):
+        if ":" in spec and spec.rpartition(":")[0].endswith(".py"):
+            paths.append((f"reward {spec!r}: plugin file", spec.rpartition(":")[0]))
+    for what, name in paths:
+        path = Path(name).expanduser()
+        if path.exists() and not path.is_file() and not path.is_dir():
+            raise ValueError(f"{what} {str(path)!r} {not_a_file(path)}")
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+def config_changes(cfg: Any) -> list[tuple[str, Any, Any]]:
+    """What the checkpoint that ``checkpoint.resume`` picks was trained with, set against ``cfg``: the keys that
+    define the run (``fastgrpo.config.runs.RESUMABLE_KEYS`` lists the others) and differ from the config.json of
+    that checkpoint's run folder, as (key, saved, now). ValueError naming them, unless
+    ``checkpoint.allow_config_change``. Empty when nothing is resumed."""
+    path = ckpt.resolve_resume(cfg.checkpoint.resume, cfg.run_dir / "checkpoints")
+    saved_file = path.parent.parent / "config.json" if path is not None else None
+    if saved_file is None or not saved_file.is_file():
+        return []
+    try:
+        saved = json.loads(saved_file.read_text(encoding="utf-8"))
+    except ValueError:
+        raise ValueError(f"{str(saved_file)!r} is not valid JSON, so this resume cannot be compared with the run "
+                         "it continues; restore it, or delete it to resume without the comparison") from None
+    changes = run_defining_changes(saved, cfg)
+    if changes and not cfg.checkpoint.allow_config_change:
+        diff = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes)
+        raise ValueError(f"checkpoint {str(path)!r} was trained with another config ({diff}): resuming it would "
+                         "continue it as a different run. Use another name, or set "
+                         "checkpoint.allow_config_change=true to continue it anyway (its config.json is kept as "
+                         "config.until_step_<N>.json)")
+    return changes
+
+
+def keep_config(run: Path, step: int) -> None:
+    """Keep the config a run had until ``step`` (config.json, before the run rewrites it)."""
+    old = run / "config.json"
+    if old.is_file():
+        shutil.copyfile(old, run / f"config.until_step_{step:06d}.json")
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def context_length(model_path: str) -> int | None:
+    """The positions a model has (``max_position_embeddings``), read from a local folder's config.json without
+    loading the model; None for a hub id or a config without the field."""
+    cfg_file = Path(model_path) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    n = cfg.get("text_config", cfg).get("max_position_embeddings")
+    return int(n) if n else None
+
+
+def check_fits(split: str, index: int, prompt: Any, prompt_tokens: int, completion_tokens: int, completion: str,
+               limit: int) -> None:
+    """ValueError naming row ``index`` of ``split`` (and the start of its ``prompt``) when its prompt plus
+    ``completion_tokens`` (``completion`` says what they are) exceed the model's ``limit`` positions."""
+    if prompt_tokens + completion_tokens <= limit:
+        return
+    fix = ", or lower rollout.max_completion_length" if "rollout." in completion else ""
+    raise ValueError(f"{split} row {index} ({repr(prompt)[:50]}...) needs {prompt_tokens} prompt tokens + "
+                     f"{completion_tokens} {completion} = {prompt_tokens + completion_tokens} positions, more than "
+                     f"the model's {limit} (max_position_embeddings): shorten or drop that row{fix}")
+
+
+@contextlib.contextmanager
+def nested_data(source: str) -> Iterator[None]:
+    """Data nested deeper than Python's recursion limit (a JSON value of 100k brackets) is a ValueError."""
+    try:
+        yield
+    except RecursionError:
+        raise ValueError(f"data.source {source!r}: a value is nested too deeply to read (deeper than Python's "
+                         "recursion limit); flatten it or drop that row") from None
+
+
+def warn_batch_above_data(what: str, per_rank: int, world_size: int, num_rows: int) -> None:
+    """A step that takes more rows than the training split has repeats rows within the step: say so up front
+    (rank 0), since such a step can run for minutes before its first output."""
+    if per_rank * world_size > num_rows:
+        print(f"[fastgrpo] warning: {what}={per_rank}{f' x {world_size} ranks' if world_size > 1 else ''} is more "
+              f"than the {num_rows} training rows: every step repeats rows (about "
+              f"{per_rank * world_size / max(num_rows, 1):.0f} times each)", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ lock
+
+
+LOCK = ".lock"
+"""The run folder's lock file: it holds the pid and host of the run that holds the lock."""
+
+
+class RunLock:
+    """An exclusive lock on a run folder (``flock`` on ``<run>/.lock``), so that two runs never write one folder at
+    once. :meth:`release` deletes the lock file, and the folders the lock created if they are still empty (a run
+    that failed before writing anything leaves nothing); the kernel releases the lock when the process ends,
+    however it ends (SIGKILL too), leaving the file."""
+
+    def __init__(self, run: Path) -> None:
+        self.run = run
+        self.created = [p for p in (run, *run.parents) if not p.exists()]  # deepest first
+        run.mkdir(parents=True, exist_ok=True)
+        path = run / LOCK
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                    raise
+                raise ValueError(lock_holder_message(run)) from None
+            try:  # the file may have been deleted by its holder's release() between our open and our lock
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        (self.run / LOCK).unlink(missing_ok=True)  # while still holding it: see the inode check above
+        os.close(self.fd)
+        self.fd = None
+        for folder in self.created:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: the run wrote something
+                break
+
+
+def lock_holder_message(run: Path) -> str:
+    """The error of a run that finds ``run`` locked, naming the holder's pid (and host) from the lock file."""
+    try:
+        pid, _, host = (run / LOCK).read_text().strip().partition(" ")
+    except OSError:
+        pid = host = ""
+    holder = f"pid {pid}{f' on {host}' if host and host != socket.gethostname() else ''}" if pid else "pid unknown"
+    return (f"another run ({holder}) is using the run folder {str(run)!r}; wait for it to end or stop it, or use "
+            "another name")

@@ -27,11 +27,12 @@ import torch
 from fastgrpo.cli import run_cli
 from fastgrpo.config import SFTConfig, SFTOptions  # noqa: F401  (SFTOptions: re-exported, the SFT API)
 from fastgrpo import distributed as fdist
+from fastgrpo import preflight
 from fastgrpo.data.sampler import PromptSampler
 from fastgrpo.data.sft import build_sft_datasets
 from fastgrpo.evaluate import evaluate
 from fastgrpo.kernels import resolve_backend
-from fastgrpo.loop import TrainingLoop
+from fastgrpo.loop import TrainingLoop, closes_on_error
 from fastgrpo.metrics import StepMetrics, Timer
 from fastgrpo.model import load_tokenizer
 from fastgrpo.rewards import REWARDS
@@ -50,16 +51,22 @@ class SFTTrainer(TrainingLoop):
 
     progress_name = "sft"
 
+    @closes_on_error
     def __init__(self, cfg: SFTConfig) -> None:
         self._init_run(cfg)
         self.tokenizer = load_tokenizer(cfg.model, seed=cfg.seed)
         # Cheap checks first: bad rows fail before the model loads.
-        train, held_out, self.data_info = build_sft_datasets(cfg.data, trace=cfg.sft.trace, tokenizer=self.tokenizer,
-                                                             near_miss=cfg.sft.near_miss, solution=cfg.sft.solution)
+        with preflight.nested_data(cfg.data.source):
+            train, held_out, self.data_info = build_sft_datasets(
+                cfg.data, trace=cfg.sft.trace, tokenizer=self.tokenizer, near_miss=cfg.sft.near_miss,
+                solution=cfg.sft.solution)
         self.train_ids = [self._encode(p) for p in train]  # [(prompt ids, completion ids)]
         self.eval_pairs = held_out[:cfg.eval.num_prompts]
         self.sampler = PromptSampler(len(self.train_ids), seed=cfg.data.seed, rank=self.rank,
                                      world_size=self.world_size)
+        if self.is_main:
+            preflight.warn_batch_above_data("sft.batch_size", cfg.sft.batch_size, self.world_size,
+                                            len(self.train_ids))
         self._init_model(total_updates=cfg.max_steps)
         self.reward_fn = None
         if cfg.sft.eval_reward is not None:
@@ -69,6 +76,14 @@ class SFTTrainer(TrainingLoop):
         # Prompt and completion are tokenized apart, as the rollout sees them (prompt ids, then sampled ids).
         enc = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         return enc(pair["prompt"]), enc(pair["completion"])
+
+    def check_context(self, limit: int) -> None:
+        """Every pair (prompt and completion) of both splits fits the model's ``limit`` positions."""
+        for split, ids in (("training", self.train_ids), ("held-out", [self._encode(p) for p in self.eval_pairs])):
+            for i, (prompt, completion) in enumerate(ids):
+                if len(prompt) + len(completion) > limit:
+                    preflight.check_fits(split, i, self.tokenizer.decode(prompt[:50]), len(prompt), len(completion),
+                                         "completion tokens", limit)
 
     def train_step(self) -> tuple[dict[str, float], None]:
         """One optimizer update on ``sft.batch_size`` pairs per rank (:func:`fastgrpo.update.sft_update`)."""

@@ -11,13 +11,15 @@ from __future__ import annotations
 import torch
 
 from fastgrpo import distributed as fdist
+from fastgrpo import preflight
 from fastgrpo.advantages import self_imitation_mask
 from fastgrpo.config import TrainConfig
 from fastgrpo.data import build_datasets, render_prompt
 from fastgrpo.data.sampler import PromptSampler
 from fastgrpo.episodes import Episodes, collect_episodes, record_metrics
 from fastgrpo.evaluate import evaluate
-from fastgrpo.loop import TrainingLoop, build_scheduler  # noqa: F401 (build_scheduler: public here too)
+from fastgrpo.loop import build_scheduler  # noqa: F401 (public here too)
+from fastgrpo.loop import TrainingLoop, closes_on_error
 from fastgrpo.metrics import StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
 from fastgrpo.lora import AdapterDisabled
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
@@ -36,22 +38,24 @@ class Trainer(TrainingLoop):
 
     progress_name = "grpo"
 
+    @closes_on_error
     def __init__(self, cfg: TrainConfig, engine: RolloutEngine | None = None) -> None:
         self._init_run(cfg)  # the launch and the run folder are checked there
 
         # Cheap checks first: data and rewards fail before any model loads.
         # its workers import the rewards while data loads; rewards.kwargs are bound (and checked) here
         self.rewards = RewardRunner.from_config(cfg.rewards, max_completion_length=cfg.rollout.max_completion_length)
-        try:
+        with preflight.nested_data(cfg.data.source):
             self.train_rows, self.eval_rows, self.data_info = build_datasets(cfg.data)
-            check_reward_columns(self.rewards.funcs, {k for r in self.train_rows for k in r} - {cfg.data.prompt_column},
-                                 source=cfg.data.source)
-            self.rewards.wait_ready()
-        except BaseException:
-            self.rewards.close()
-            raise
+        check_reward_columns(self.rewards.funcs, {k for r in self.train_rows for k in r} - {cfg.data.prompt_column},
+                             source=cfg.data.source)
+        self.rewards.wait_ready()
         self.sampler = PromptSampler(len(self.train_rows), seed=cfg.data.seed, rank=self.rank,
                                      world_size=self.world_size)
+        if self.is_main:
+            preflight.warn_batch_above_data("grpo.prompts_per_step", cfg.grpo.prompts_per_step, self.world_size,
+                                            len(self.train_rows))
+        self._bounds: list[int] | None = None
 
         self.tokenizer = load_tokenizer(cfg.model, seed=cfg.seed)
         self._init_model(total_updates=cfg.max_steps * cfg.grpo.num_iterations)
@@ -80,12 +84,33 @@ class Trainer(TrainingLoop):
                              tokenizer=self.tokenizer, task=row.get("task", "countdown"),
                              prompt_column=self.cfg.data.prompt_column)
 
+    def _prompt_bounds(self) -> list[int]:
+        """An upper bound on the token count of each prompt, training rows then held-out rows, without tokenizing
+        them (that took 13 s for the 10k countdown rows, rendering 1 s): byte-level BPE and byte-fallback
+        SentencePiece tokens each cover at least one UTF-8 byte of the text, plus one for SentencePiece's leading
+        word marker. Loose (about 4 bytes per token in English)."""
+        if self._bounds is None:
+            self._bounds = [len(self._render(r).encode("utf-8")) + 1 for r in self.train_rows + self.eval_rows]
+        return self._bounds
+
     def prompt_token_bound(self) -> int:
-        """An upper bound on the token count of every prompt of both splits, without tokenizing them (that took
-        13 s for the 10k countdown rows, rendering 1 s): byte-level BPE and byte-fallback SentencePiece tokens each
-        cover at least one UTF-8 byte of the text, plus one for SentencePiece's leading word marker. Loose (about
-        4 bytes per token in English); the engine checks every request's true length anyway."""
-        return max((len(self._render(r).encode("utf-8")) for r in self.train_rows + self.eval_rows), default=0) + 1
+        """An upper bound on the token count of every prompt of both splits (the engine checks every request's true
+        length anyway)."""
+        return max(self._prompt_bounds(), default=1)
+
+    def check_context(self, limit: int) -> None:
+        """Every prompt of both splits plus rollout.max_completion_length fits the model's ``limit`` positions;
+        only the prompts whose bound says they might not are tokenized."""
+        completion = self.cfg.rollout.max_completion_length
+        for k, bound in enumerate(self._prompt_bounds()):
+            if bound + completion <= limit:
+                continue
+            split, rows, i = ("training", self.train_rows, k) if k < len(self.train_rows) else \
+                ("held-out", self.eval_rows, k - len(self.train_rows))
+            text = self._render(rows[i])
+            preflight.check_fits(split, i, rows[i].get(self.cfg.data.prompt_column, rows[i]),
+                                 len(self.tokenizer(text, add_special_tokens=False)["input_ids"]), completion,
+                                 "(rollout.max_completion_length)", limit)
 
     def prompts(self, indices: list[int], rows: list[dict]) -> tuple[list[str], list[list[int]]]:
         """Render and tokenize prompts of ``rows`` (the train or the eval split), cached per row."""
@@ -196,12 +221,13 @@ class Trainer(TrainingLoop):
         self.rewards.interrupt()
 
     def close(self) -> None:
-        """Release the reward workers and the rollout engine. vLLM's teardown also ends torch.distributed's group:
-        call this last."""
-        self.rewards.close()
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        """Release the reward workers, the rollout engine and the run folder (whatever a failed ``__init__`` got
+        to). vLLM's teardown also ends torch.distributed's group: call this last."""
+        for part in (getattr(self, "rewards", None), getattr(self, "engine", None)):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
+        super().close()
 
     def has_eval_data(self) -> bool:
         return bool(self.eval_rows)

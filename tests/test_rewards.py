@@ -316,11 +316,11 @@ def test_plugin_trl_function_and_swift_class_combine_with_builtins(plugin_path):
                "solution": ["abc"] * 7}
     weights = [0.5, 2.0, -1.0]
     R, r = combine_rewards(funcs, weights, completions, columns)
-    assert R.dtype == torch.float32 and R.shape == (7, 3)
+    assert R.dtype == torch.float32 and R.shape == (7, 3) and r.dtype == torch.float64  # summed in float64
     expected_R = torch.tensor([[len(c) * w, float(c == "abc"), float(c[0].isdigit())]
                                for c, w in zip(completions, weight_col)])
     torch.testing.assert_close(R, expected_R)
-    torch.testing.assert_close(r, expected_R @ torch.tensor(weights))
+    torch.testing.assert_close(r.float(), expected_R @ torch.tensor(weights))
 
 
 def test_combine_none_is_nan_and_counts_zero(plugin_path):
@@ -360,3 +360,21 @@ def test_countdown_claim_may_be_wider_than_any_literal():
     assert REWARDS["countdown"]([text], nums=[[44, 99, 37, 85, 73]], target=[1000072260]) == [1.0]
     wide = "<answer>" + "1" * 10 + " = 1111111111</answer>"  # a literal still may not be that wide
     assert REWARDS["countdown"]([wide], nums=[[1111111111]], target=[1111111111]) == [0.0]
+
+
+def test_built_ins_scored_in_process_only_read_their_arguments():
+    """The runner gives these built-ins the step's own lists, uncopied (issue 24): a change would reach the next
+    reward and the trainer's data."""
+    import copy
+
+    from fastgrpo.rewards.loader import IN_PROCESS
+
+    completions = [ans("3 + 4 - 1"), "<think>x</think><answer>6</answer>", "7 apples",
+                   [{"role": "assistant", "content": ans("(1 + 2) * 2")}]]
+    kwargs = {"completions": completions, "prompts": ["p"] * 4, "completion_ids": [[1, 2], [3], [4, 5], [6]],
+              "nums": [[3, 4, 1], [1, 2, 3], [7], [1, 2]], "target": [6, 6, 7, 6],
+              "answer": ["6", "#### 6", "7", "6"], "task": ["countdown"] * 4}
+    for fn in IN_PROCESS:
+        before = copy.deepcopy(kwargs)
+        fn(**kwargs)
+        assert kwargs == before, fn.__name__

@@ -159,7 +159,7 @@ def test_derived_vllm_context_bounds_every_prompt(tmp_path):
     assert longest <= bound
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):
+def test_sigterm_finishes_the_step_saves_and_exits_143(tmp_path):
     import time
 
     args = [sys.executable, "-m", "fastgrpo.train", *TOY, f"output_dir={tmp_path}", "name=term", "max_steps=500"]
@@ -170,7 +170,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.returncode == 143, err[-2000:]  # stopped early, resumable: not a success
     logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     saved = sorted(p.name for p in (tmp_path / "term" / "checkpoints").iterdir())
     assert saved[-1] == f"step_{logged[-1]:06d}"  # the step in flight was finished and saved: nothing lost

@@ -21,17 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from fastgrpo.config import loader
-from fastgrpo.config.loader import ConfigError, check_section, choices, registry, to_dict
-from fastgrpo.config.runs import RunConfig, SFTConfig, SFTOptions, TrainConfig, check_run_config
+from fastgrpo.config.loader import ConfigError, check_section, choices, not_a_file, registry, to_dict
+from fastgrpo.config.runs import (RESUMABLE_KEYS, RunConfig, SFTConfig, SFTOptions, TrainConfig, check_run_config,
+                                  run_defining_changes)
 from fastgrpo.config.sections import (SEEDS_SYSTEM_PROMPT, CheckpointConfig, DataConfig, EvalConfig, GRPOConfig,
                                       HFRolloutConfig, LogConfig, LoraConfig, ModelConfig, OptimConfig,
                                       ParallelConfig, RewardConfig, RolloutConfig, VLLMRolloutConfig)
 
-__all__ = ["SEEDS_SYSTEM_PROMPT", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "GRPOConfig",
+__all__ = ["RESUMABLE_KEYS", "SEEDS_SYSTEM_PROMPT", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "GRPOConfig",
            "HFRolloutConfig", "LogConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
            "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig", "SFTOptions", "TrainConfig",
            "VLLMRolloutConfig", "check_run_config", "check_section", "choices", "describe", "load_config",
-           "registry", "to_dict"]
+           "not_a_file", "registry", "run_defining_changes", "to_dict"]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,

@@ -21,6 +21,7 @@ import difflib
 import importlib
 import inspect
 import math
+import stat
 import types
 import typing
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any, Literal
 import yaml
 
 __all__ = ["ConfigError", "check", "check_finite", "check_section", "choices", "describe", "fail", "load_config",
-           "registry", "to_dict"]
+           "not_a_file", "registry", "to_dict"]
 
 
 class ConfigError(ValueError):
@@ -164,6 +165,23 @@ def _closest(key: str, options: list[str]) -> str:
     return f"; did you mean {match[0]!r}?" if match else ""
 
 
+def _closest_key(key: str, root: type) -> str:
+    """The hint for an unknown dotted ``key`` of run config class ``root``: the valid keys it is the tail of
+    ('lora.rank' -> 'model.lora.rank'), also with another trainer's name for its last part replaced by ours
+    (``root.KEY_ALIASES``: 'optim.learning_rate' -> 'optim.lr', 'r' -> 'model.lora.rank'); else the closest
+    spelling."""
+    keys = _all_keys(root)
+    *head, leaf = key.split(".")
+    ours = getattr(root, "KEY_ALIASES", {}).get(leaf, leaf)
+    for tail in (key, ".".join([*head, ours]), ours):
+        found = [k for k in keys if k == tail or k.endswith("." + tail)]
+        if len(found) == 1:
+            return f"; did you mean {found[0]!r}?"
+        if found:
+            return f"; did you mean one of {', '.join(map(repr, found))}?"
+    return _closest(key, keys)
+
+
 def _all_keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
@@ -184,8 +202,10 @@ def _build(cls: type, data: dict, path: str, root: type) -> Any:
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in names:
-            candidates = [f"{path}.{n}" if path else n for n in names] + _all_keys(root)
-            raise ConfigError(f"unknown config key {full!r}{_closest(full, candidates)}")
+            while isinstance(value, dict) and value:  # 'lora: {rank: 8}' is reported as 'lora.rank'
+                sub, value = next(iter(value.items()))
+                full = f"{full}.{sub}"
+            raise ConfigError(f"unknown config key {full!r}{_closest_key(full, root)}")
         tp = types[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, full, root)
@@ -211,7 +231,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...],
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+            raise ConfigError(f"config file {str(p)!r} {not_a_file(p)}")
         try:
             tree = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
@@ -228,6 +248,19 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...],
             raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
         _set_dotted(tree, key.strip(), value)
     return _build(cls, tree, "", cls).validate()
+
+
+def not_a_file(path: Path) -> str:
+    """Why ``path``, which is not a regular file, cannot be read as one: 'does not exist', 'is a folder', 'is a FIFO
+    (named pipe), not a regular file', ..."""
+    if not path.exists():
+        return "does not exist"
+    if path.is_dir():
+        return "is a folder, not a file"
+    kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    mode = path.stat().st_mode
+    return f"is {next((what for test, what in kinds if test(mode)), 'a special file')}, not a regular file"
 
 
 def to_dict(cfg: Any) -> dict:

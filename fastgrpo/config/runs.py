@@ -3,15 +3,61 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastgrpo.config.loader import check, check_finite, check_section, fail, registry
 from fastgrpo.config.sections import (CheckpointConfig, DataConfig, EvalConfig, GRPOConfig, LogConfig, ModelConfig,
                                       OptimConfig, ParallelConfig, RewardConfig, RolloutConfig)
 
-__all__ = ["RunConfig", "SFTConfig", "SFTOptions", "TrainConfig", "check_run_config"]
+__all__ = ["RESUMABLE_KEYS", "RunConfig", "SFTConfig", "SFTOptions", "TrainConfig", "check_run_config",
+           "run_defining_changes"]
+
+RESUMABLE_KEYS = (
+    "name", "output_dir", "max_steps", "device", "malloc_mmap_threshold", "checkpoint.", "eval.", "log.",
+    "parallel.fsdp", "parallel.cpu_offload", "parallel.activation_checkpointing", "parallel.compile",
+    "model.attn_implementation", "optim.max_nonfinite_steps", "rewards.sandbox", "rewards.num_workers",
+    "rewards.timeout_s", "rollout.engine", "rollout.hf.", "rollout.vllm.", "grpo.max_tokens_per_microbatch",
+    "grpo.head_backend", "sft.max_tokens_per_microbatch", "sft.head_backend",
+)
+"""Config keys (dotted; one ending in '.' covers its section) that a resume may change: how long to train, where
+to write, what to log and evaluate, and how a step is computed (engine, kernels, micro-batches, sharding, reward
+workers) without changing what it computes. Every other key (data, model, rewards, G, loss, optimizer, seeds...)
+defines the run: changing it on resume is an error unless checkpoint.allow_config_change is set. A key added to the
+config later defines the run until listed here."""
+
+
+def _resumable(key: str) -> bool:
+    return any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE_KEYS)
+
+
+def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value
+
+
+def run_defining_changes(saved: dict, cfg: Any) -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, value in cfg)`` for each key of the run config ``cfg`` that defines the run (is not in
+    :data:`RESUMABLE_KEYS`) and differs from ``saved`` (a config.json). A key the saved config lacks (written by an
+    older version) is not compared."""
+    missing = object()
+    changes = []
+    for key, value in _leaves(cfg):
+        old: Any = saved
+        for part in key.split("."):
+            old = old.get(part, missing) if isinstance(old, dict) else missing
+        value = json.loads(json.dumps(value))  # as config.json holds it (tuples are lists)
+        if old is not missing and old != value and not _resumable(key):
+            changes.append((key, old, value))
+    return changes
 
 
 @dataclass(kw_only=True)
@@ -39,6 +85,14 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+    KEY_ALIASES: ClassVar[dict[str, str]] = {
+        "learning_rate": "lr", "lr_scheduler_type": "schedule", "r": "rank", "lora_r": "rank", "lora_rank": "rank",
+        "lora_alpha": "alpha", "lora_dropout": "dropout", "model_name_or_path": "name_or_path",
+        "gradient_checkpointing": "activation_checkpointing", "reward_funcs": "funcs", "reward_weights": "weights",
+    }
+    """Other trainers' names (TRL, peft) -> the last part of ours: an unknown key that ends with one is pointed
+    to the key that ends with the other (a hint only; the config itself accepts one spelling)."""
 
     @property
     def run_dir(self) -> Path:

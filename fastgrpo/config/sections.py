@@ -49,6 +49,13 @@ class LoraConfig:
               "must name at least one module (or be ['all-linear'])")
         check(all(self.modules_to_save), f"{p}.modules_to_save", "names must be non-empty")
         check(not self.modules_to_save or self.enabled, f"{p}.modules_to_save", "needs model.lora.rank > 0")
+        # rank 0 trains every weight: other LoRA settings without a rank mean the rank was forgotten (or misspelled)
+        unused = [k for k, v, off in (("alpha", self.alpha, None), ("dropout", self.dropout, 0.0),
+                                      ("target_modules", self.target_modules, ["all-linear"])) if v != off]
+        check(self.enabled or not unused, f"{p}.rank",
+              f"is 0 (LoRA off: every weight trains) but {', '.join(f'{p}.{k}' for k in unused)} "
+              f"{'is' if len(unused) == 1 else 'are'} set; set "
+              f"{p}.rank > 0 to train adapters, or drop the other LoRA settings")
         check(not any(m.split(".")[-1] in _HEAD_NAMES for m in self.modules_to_save), f"{p}.modules_to_save",
               f"cannot hold {sorted(_HEAD_NAMES)}: the fused head kernels read lm_head.weight, which would bypass "
               "a trained copy")
@@ -301,10 +308,14 @@ class GRPOConfig:
         check(self.dynamic_sampling_max_rounds >= 0, f"{p}.dynamic_sampling_max_rounds", "must be >= 0")
 
 
+MAX_LR = 1.0
+"""The largest optim.lr accepted."""
+
+
 @dataclass(kw_only=True)
 class OptimConfig:
     lr: float = 1e-6
-    """Peak learning rate of AdamW."""
+    """Peak learning rate of AdamW, in (0, 1]."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
@@ -322,7 +333,10 @@ class OptimConfig:
     stop the run with an error."""
 
     def validate(self, p: str) -> None:
-        check(self.lr > 0 and math.isfinite(self.lr), f"{p}.lr", f"must be > 0, got {self.lr}")
+        # AdamW moves each weight by up to about lr per update whatever the gradient's scale, so a larger lr only
+        # writes noise into the weights (lr=1e30 saved 1e30 weights with exit 0; 1e39 overflowed float32).
+        check(0 < self.lr <= MAX_LR and math.isfinite(self.lr), f"{p}.lr",
+              f"must be in (0, {MAX_LR}] (AdamW moves each weight by up to about lr per update), got {self.lr}")
         check(self.weight_decay >= 0, f"{p}.weight_decay", "must be >= 0")
         check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{p}.betas",
               "must be two numbers in [0, 1)")
@@ -365,6 +379,10 @@ class CheckpointConfig:
     """With resume: never, allow starting over in a run folder that holds a run (its checkpoints and logs go)."""
     export_merged: bool = False
     """With LoRA: also write <run>/final_merged, the base model with the adapters merged in (Hugging Face folder)."""
+    allow_config_change: bool = False
+    """Resume even though a setting that defines the run (data, model, G, loss, lr...; all but those in
+    fastgrpo.config.runs.RESUMABLE_KEYS) differs from the run's config.json; the old one is kept as
+    config.until_step_<N>.json."""
 
     def validate(self, p: str) -> None:
         check(self.every >= 0, f"{p}.every", "must be >= 0")

@@ -14,7 +14,8 @@ SCHEMAS names its required columns with a checker per column and the user messag
 (countdown ``{nums, target}``, gsm8k ``{question, answer}``, math ``{problem, solution}``, whose ``answer`` is
 derived from the solution's last ``\\boxed{}``). A row with a missing or ill-typed required field raises
 ``ValueError`` naming the row index and the field; with ``skip_invalid_rows`` such rows are dropped and counted
-instead. Every other column passes through untouched: reward functions receive it as a keyword argument.
+instead. Every other column passes through untouched: reward functions receive it as a keyword argument. A
+column whose name the trainer uses for something else (RESERVED_COLUMNS) is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -23,13 +24,23 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterable
 
 from fastgrpo.data.countdown import problem_key
 from fastgrpo.data.templates import PROMPT_TASK
+from fastgrpo.rewards.columns import ALWAYS_PASSED
 from fastgrpo.rewards.math_answer import boxed_content  # the rewards' own reader, so both agree
 
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+RESERVED_COLUMNS = {
+    **{name: "reward functions get the rollout's values under that name" for name in sorted(ALWAYS_PASSED)},
+    "prompt": "it names the prompt column unless data.prompt_column says otherwise, and reward functions never "
+              "get it",
+    "task": "each row's task (which picks its prompt template) is kept under that name",
+}
+"""Column names a file or hub dataset may not use (except as data.prompt_column), and why: a column under such a
+name would be replaced or dropped before it reached a reward function."""
 
 
 class _BadField(Exception):
@@ -121,6 +132,28 @@ def detect_schema(column_names: list[str], prompt_column: str = "prompt") -> Sch
     wanted = "; ".join(f"{name}: {sorted(s.columns)}" for name, s in SCHEMAS.items())
     raise ValueError(f"dataset columns {sorted(column_names)} have no prompt column {prompt_column!r} "
                      f"(data.prompt_column) and match no known task (needed columns: {wanted})")
+
+
+def check_reserved_columns(columns: Iterable[str], *, source: str, prompt_column: str) -> None:
+    """ValueError naming every column of ``columns`` with a reserved name (RESERVED_COLUMNS)."""
+    clash = sorted((set(columns) & set(RESERVED_COLUMNS)) - {prompt_column})
+    if clash:
+        why = "; ".join(f"{name!r}: {RESERVED_COLUMNS[name]}" for name in clash)
+        raise ValueError(f"data.source {source!r}: column name(s) {clash} are reserved ({why}); rename them in "
+                         "the data")
+
+
+def no_training_rows(source: str, *, valid: int, held_out: int, overlap: int, num_eval: int,
+                     eval_split: str | None) -> ValueError:
+    """The error for a source that leaves no training rows, saying where its ``valid`` rows went: ``held_out`` by
+    ``data.num_eval`` (without ``data.eval_split``), ``overlap`` dropped as equal to a held-out row."""
+    parts = [f"{valid} valid row(s)"]
+    if eval_split is None:
+        parts.append(f"{held_out} held out for evaluation (data.num_eval={num_eval})")
+    if overlap:
+        parts.append(f"{overlap} equal to a held-out row" + (f" of data.eval_split={eval_split!r}" if eval_split else ""))
+    fix = "lower data.num_eval or add rows" if eval_split is None else "check data.split and data.eval_split"
+    return ValueError(f"data.source: {source!r} leaves no training rows: {', '.join(parts)}; {fix}")
 
 
 def validate_rows(
@@ -248,11 +281,14 @@ def file_splits(
     raw, lines = _load_source(source, split=split, cache_dir=cache_dir)
     if not raw:
         raise ValueError(f"data.source: {source!r} (split {split!r}) has no rows")
-    schema = detect_schema(sorted({k for r in raw for k in r}), prompt_column)
+    columns = sorted({k for r in raw for k in r})
+    check_reserved_columns(columns, source=source, prompt_column=prompt_column)
+    schema = detect_schema(columns, prompt_column)
     rows, skipped = validate_rows(raw, schema, skip_invalid_rows=skip_invalid_rows, lines=lines)
     skipped_eval = 0
     if eval_split is not None:
         raw_eval, lines_eval = _load_source(source, split=eval_split, cache_dir=cache_dir)
+        check_reserved_columns({k for r in raw_eval for k in r}, source=source, prompt_column=prompt_column)
         eval_rows, skipped_eval = validate_rows(raw_eval, schema, skip_invalid_rows=skip_invalid_rows,
                                                 lines=lines_eval)
         train_rows = rows
@@ -264,7 +300,8 @@ def file_splits(
     eval_keys = {schema.key(r) for r in eval_rows}
     kept = [r for r in train_rows if schema.key(r) not in eval_keys]
     if not kept:
-        raise ValueError(f"data.source: {source!r} leaves no training rows after holding out {len(eval_rows)}")
+        raise no_training_rows(source, valid=len(rows), held_out=len(eval_rows), overlap=len(train_rows),
+                               num_eval=num_eval, eval_split=eval_split)
     for r in kept + eval_rows:
         r["task"] = schema.task
     info = {

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from fastgrpo.config import DataConfig
 from fastgrpo.data.countdown import closest_miss, countdown_splits, iter_expressions, iter_solutions
-from fastgrpo.data.files import load_source_rows
+from fastgrpo.data.files import load_source_rows, no_training_rows
 from fastgrpo.data.templates import render_prompt
 
 Pair = dict[str, Any]
@@ -206,7 +206,11 @@ def build_sft_datasets(cfg: DataConfig, *, trace: str, tokenizer: Any, near_miss
             held_out = [train[i] for i in order[:cfg.num_eval]]
             train = [train[i] for i in sorted(order[cfg.num_eval:])]
         prompts = {p["prompt"] for p in held_out}
+        valid, before = len(train) + (len(held_out) if cfg.eval_split is None else 0), len(train)
         train = [p for p in train if p["prompt"] not in prompts]
+        if not train:
+            raise no_training_rows(cfg.source, valid=valid, held_out=len(held_out), overlap=before,
+                                   num_eval=cfg.num_eval, eval_split=cfg.eval_split)
         info = {"task": "sft", "skipped_invalid_rows": skipped}
     if not train:
         raise ValueError(f"data.source: {cfg.source!r} leaves no training rows")

@@ -52,7 +52,7 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with(parent_pid)
     # Imported after the watchdog starts: a parent killed while they load must still take this process with it.
-    from fastgrpo.rewards.calls import CallFailure, call, gather, is_async
+    from fastgrpo.rewards.calls import CallFailure, call, gather, is_async, own_copy
     from fastgrpo.rewards.loader import resolve_spec
 
     conn = Connection(fd)
@@ -79,9 +79,10 @@ def main(argv: list[str]) -> None:
                     results = [call(funcs[i], kwargs, n, catch=everything, loop=loop)]
                 except CallFailure as f:
                     results = [f]
-            else:
-                results = loop.run_until_complete(
-                    gather([(funcs[i], kwargs, n) for i, kwargs, n in calls], timeout_s, catch=everything))
+            else:  # the calls' arguments were pickled together and share their lists: all but the first get a copy
+                results = loop.run_until_complete(gather(
+                    [(funcs[i], kwargs if j == 0 else own_copy(kwargs), n) for j, (i, kwargs, n) in enumerate(calls)],
+                    timeout_s, catch=everything))
             out = [("fail", r.kind, r.message, r.tb) if isinstance(r, CallFailure) else ("ok", *r) for r in results]
             try:
                 conn.send(("done", out))

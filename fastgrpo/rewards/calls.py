@@ -10,14 +10,22 @@ else is a *failure* of a named kind, which the caller scores ``rewards.on_error_
 ``non_finite``  one value is NaN or +-inf, or too large for float32
 ``timeout``     (sandbox) the call ran past ``rewards.timeout_s``; its worker was killed
 ``crash``       (sandbox) the worker process died during the call
+``too_large``   one value, times the function's weight, could make the advantages overflow (see
+                :mod:`fastgrpo.rewards.scoring`)
+``no_column``   the completion's dataset row has no value (None) in a column the function requires
 ==============  =================================================================================
 
-The first three kinds are found here; ``timeout`` and ``crash`` by :mod:`fastgrpo.rewards.sandbox`.
+The first four kinds are found here; ``timeout`` and ``crash`` by :mod:`fastgrpo.rewards.sandbox`, the last two by
+:mod:`fastgrpo.rewards.scoring`.
+
+Every call gets its own arguments (:func:`own_copy`): a function that changes its ``completions`` or a column in
+place changes neither what the next function scores nor the trainer's data.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import math
 import numbers
@@ -26,7 +34,31 @@ from typing import Any, Callable
 
 FLOAT32_MAX = 3.4028234663852886e38
 
-KINDS = ("exception", "bad_output", "non_number", "non_finite", "timeout", "crash")
+KINDS = ("exception", "bad_output", "non_number", "non_finite", "timeout", "crash", "too_large", "no_column")
+
+_IMMUTABLE = frozenset({str, bytes, int, float, complex, bool, type(None)})
+
+
+def own_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's keyword arguments sharing nothing mutable with ``kwargs``: new lists, and a copy of every value
+    that is not an immutable atom (a token id list, a ``nums`` list, chat messages).
+
+    Cheaper than ``copy.deepcopy`` on a step's columns (a list of atoms is copied by one C call): about 1 ms per
+    100k token ids.
+    """
+    return {k: _fresh(v) for k, v in kwargs.items()}
+
+
+def _fresh(value: Any) -> Any:
+    kind = type(value)
+    if kind in _IMMUTABLE:
+        return value
+    if kind is list or kind is tuple:
+        if _IMMUTABLE.issuperset(map(type, value)):
+            return list(value) if kind is list else value
+        items = [_fresh(v) for v in value]
+        return items if kind is list else tuple(items)
+    return copy.deepcopy(value)
 
 
 class CallFailure(Exception):

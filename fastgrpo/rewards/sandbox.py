@@ -38,7 +38,8 @@ from fastgrpo.errors import RewardError
 from fastgrpo.rewards.calls import CallFailure
 
 LOAD_TIMEOUT_S = 300.0
-"""Most seconds a worker may take to start and import the reward functions (a plugin may import torch)."""
+"""Most seconds a worker may take to start and import the reward functions (a plugin may import torch), unless
+:meth:`WorkerPool.wait_ready` is given a bound (the trainer's first wait uses ``rewards.timeout_s``)."""
 ASYNC_GRACE_S = 5.0
 """Extra seconds past rewards.timeout_s before a worker awaiting async functions is killed: those calls time out
 cooperatively first (asyncio), keeping the results of the others."""
@@ -109,27 +110,31 @@ class WorkerPool:
         self.is_async = list(msg[1])
         w.state = "idle"
 
-    def wait_ready(self) -> list[bool]:
-        """Block until every worker has imported the reward functions; return which are async.
+    def wait_ready(self, timeout_s: float | None = None) -> list[bool]:
+        """Block until every worker has imported the reward functions, at most ``timeout_s`` (``rewards.timeout_s``;
+        default LOAD_TIMEOUT_S); return which are async.
 
-        ValueError with the worker's message when an import fails (a missing file, an exception or a SystemExit
-        at import time, a missing attribute): the trainer calls this before any model loads.
+        ValueError with the worker's message when an import fails (a missing file, an exception, a SystemExit or a
+        KeyboardInterrupt at import time, a missing attribute), the process exits or the time runs out: the
+        trainer calls this before any model loads.
         """
-        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        bound = f"rewards.timeout_s={timeout_s:g} s" if timeout_s is not None else f"{LOAD_TIMEOUT_S:g} s"
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else LOAD_TIMEOUT_S)
         while any(w.state == "loading" for w in self._workers):
             loading = {w.conn: w for w in self._workers if w.state == "loading"}
             ready = wait(list(loading), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 self.close()
-                raise ValueError(f"reward workers took more than {LOAD_TIMEOUT_S:g} s to import {self.specs}")
+                raise ValueError(f"importing the rewards {self.specs} took more than {bound} (does a plugin file "
+                                 "wait or loop at import?)")
             for conn in ready:
                 w = loading[conn]
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
                     self.close()
-                    raise ValueError(f"a reward worker died while importing {self.specs} (exit code "
-                                     f"{w.proc.wait()}); run the import by hand to see why") from None
+                    raise ValueError(f"importing the rewards {self.specs} ended the process ({_exit_status(w)}): a "
+                                     "plugin file must not exit at import; run the import by hand to see why") from None
                 try:
                     self._on_loaded(w, msg)
                 except ValueError:
@@ -194,14 +199,13 @@ class WorkerPool:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                code = w.proc.wait()
                 if w.state == "busy":
-                    why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                    results[w.job] = [CallFailure("crash", f"killed its worker process ({why})")] * len(jobs[w.job])
+                    results[w.job] = [CallFailure("crash", f"killed its worker process ({_exit_status(w)})")] * len(
+                        jobs[w.job])
                     self._replace(w)
                 else:
                     raise RewardError(f"a restarted reward worker died while importing {self.specs} "
-                                      f"(exit code {code})") from None
+                                      f"({_exit_status(w)})") from None
                 continue
             if w.state == "loading":
                 try:
@@ -239,6 +243,21 @@ class WorkerPool:
     def close(self) -> None:
         """Kill every worker; idempotent."""
         self._finalizer()
+
+
+def import_in_worker(specs: list[str], *, timeout_s: float) -> None:
+    """Import ``specs`` in a throwaway worker first, before this process imports them (:meth:`WorkerPool.wait_ready`
+    says how that fails)."""
+    pool = WorkerPool(specs, size=1, timeout_s=timeout_s)
+    try:
+        pool.wait_ready(timeout_s)
+    finally:
+        pool.close()
+
+
+def _exit_status(w: _Worker) -> str:
+    code = w.proc.wait()
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 def _kill(w: _Worker) -> None:
