@@ -70,6 +70,14 @@ def _varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
             "max_length_q": mb.max_seqlen, "max_length_k": mb.max_seqlen}
 
 
+def _sdpa_varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
+    # also the boundaries as host ints, from the packing plan: no device-to-host copy per layer
+    bounds = [0]
+    for length in mb.seq_lengths or [mb.num_tokens]:  # a dummy row is one sequence of its one token
+        bounds.append(bounds[-1] + length)
+    return {**_varlen_inputs(mb), "sequence_bounds": bounds}
+
+
 def _position_ids_only(mb: MicroBatch) -> dict[str, Any]:
     return {}
 
@@ -80,15 +88,17 @@ def _sdpa_per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     """transformers attention function of ``"sdpa_varlen"``: causal sdpa on each sequence of a packed row.
 
     query ``[1, Hq, T, d]``, key / value ``[1, Hkv, T, d]`` -> ``[1, T, Hq, d]``. The boundaries come from
-    ``cu_seq_lens_q`` (the packed forward passes them, as for flash-attn varlen). One dense ``[T, T]``
+    ``sequence_bounds`` (host ints the packed forward passes beside ``cu_seq_lens_q``), else from ``cu_seq_lens_q``. One dense ``[T, T]``
     block-causal mask (what ``"sdpa"`` gets for a packed row) costs ``T^2`` per head and layer, where the
     sequences need ``sum L_i^2``; and sdpa's CPU kernel skips the blocks above the diagonal only with
     ``is_causal``, never for a mask. Without ``cu_seq_lens_q`` (a plain forward) the sequences start where
     ``position_ids`` restart unless a KV cache is in use, as transformers' own packed-sequence detection has it.
     """
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        bounds = cu.tolist()  # K + 1 host ints: a copy from the device once per layer (free on CPU)
+    if kwargs.get("sequence_bounds") is not None:  # the packed forward's host copy of cu_seq_lens_q
+        bounds = kwargs["sequence_bounds"]
+    elif cu is not None:
+        bounds = cu.tolist()  # K + 1 host ints: a copy from the device (a host sync on an accelerator)
     elif attention_mask is not None or query.shape[2] != key.shape[2]:
         raise ValueError("model.attn_implementation=sdpa_varlen runs packed rows and unpadded sequences only, "
                          "without a KV cache (the rollout engine decodes with sdpa)")
@@ -230,7 +240,7 @@ register_attn_backend("flash_attention_2", AttnBackend(check=_needs_flash_attn, 
 register_attn_backend("flex_attention", AttnBackend(decode_with="sdpa"))
 register_attn_backend("sdpa", AttnBackend(packed_inputs=_sdpa_inputs))
 # sdpa per sequence of a packed row (see _sdpa_per_sequence): the CPU default; decoding needs sdpa's masks.
-register_attn_backend("sdpa_varlen", AttnBackend(packed_inputs=_varlen_inputs, decode_with="sdpa"))
+register_attn_backend("sdpa_varlen", AttnBackend(packed_inputs=_sdpa_varlen_inputs, decode_with="sdpa"))
 register_attn_backend("eager", AttnBackend())
 # torch's FlashAttention varlen kernel (CUDA, bf16/fp16): the CUDA default without flash-attn; decodes with sdpa.
 register_attn_backend("torch_varlen", AttnBackend(check=_needs_torch_varlen, packed_inputs=_varlen_inputs,

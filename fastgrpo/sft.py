@@ -74,7 +74,8 @@ class SFTTrainer(TrainingLoop):
 
     def _encode(self, pair: dict[str, Any]) -> tuple[list[int], list[int]]:
         # Prompt and completion are tokenized apart, as the rollout sees them (prompt ids, then sampled ids).
-        enc = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        # verbose=False: check_context reports a pair too long for the model (transformers would only warn).
+        enc = lambda text: self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]  # noqa: E731
         return enc(pair["prompt"]), enc(pair["completion"])
 
     def check_context(self, limit: int) -> None:

@@ -109,7 +109,8 @@ class Trainer(TrainingLoop):
                 ("held-out", self.eval_rows, k - len(self.train_rows))
             text = self._render(rows[i])
             preflight.check_fits(split, i, rows[i].get(self.cfg.data.prompt_column, rows[i]),
-                                 len(self.tokenizer(text, add_special_tokens=False)["input_ids"]), completion,
+                                 len(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]),
+                                 completion,
                                  "(rollout.max_completion_length)", limit)
 
     def prompts(self, indices: list[int], rows: list[dict]) -> tuple[list[str], list[list[int]]]:

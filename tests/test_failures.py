@@ -561,9 +561,9 @@ def test_24_9_10_config_mistakes_are_one_line_errors_that_name_the_fix(tmp_path,
 def test_24_10_a_fifo_given_as_a_file_is_named_as_one(tmp_path, capsys, given):
     fifo = tmp_path / {"--config": "c.yaml", "data.source": "d.jsonl", "rewards.funcs": "r.py"}[given]
     os.mkfifo(fifo)
-    option = {"--config": ["--config", str(fifo)], "data.source": [f"data.source={fifo}"],
-              "rewards.funcs": [f"rewards.funcs=[{fifo}:f]"]}[given]
-    assert train.main([*option, *TOY, f"output_dir={tmp_path / 'out'}", "max_steps=1"]) == 2
+    argv = {"--config": ["--config", str(fifo), *TOY], "data.source": [*TOY, f"data.source={fifo}"],
+            "rewards.funcs": [*TOY, f"rewards.funcs=[{fifo}:f]"]}[given]
+    assert train.main([*argv, f"output_dir={tmp_path / 'out'}", "max_steps=1"]) == 2
     _one_line_error(capsys.readouterr().err, f"{str(fifo)!r} is a FIFO (named pipe), not a regular file")
 
 

@@ -155,6 +155,8 @@ def test_varlen_backends_receive_boundaries(attn):
     assert kw["cu_seq_lens_q"].dtype == torch.int32
     assert kw["cu_seq_lens_q"].tolist() == [0, *torch.tensor(mb.seq_lengths).cumsum(0).tolist()]
     assert kw["max_length_q"] == max(mb.seq_lengths) and isinstance(kw["max_length_q"], int)
+    if attn == "sdpa_varlen":  # the same boundaries as host ints: no device-to-host copy in every layer
+        assert kw["sequence_bounds"] == kw["cu_seq_lens_q"].tolist()
 
 
 # ----------------------------------------------------------------------------------------------------------------
