@@ -1,4 +1,6 @@
-"""Checks of the launch and the run folder that need no model: run first, so that a mistake costs no model load.
+"""Checks that need no model, run first so that a mistake costs no model load: the launch, the run folder (its
+paths, its lock against a second run, a resume's config against the one it continues) and the input files; and
+the data's fit to the model's positions (from the model folder's config.json).
 
 Each failure is a ValueError with one line that names the setting or the path and says what to do.
 """
@@ -138,12 +140,12 @@ def context_length(model_path: str) -> int | None:
 
 
 def check_fits(split: str, index: int, prompt: Any, prompt_tokens: int, completion_tokens: int, completion: str,
-               limit: int) -> None:
+               limit: int, fix: str = "") -> None:
     """ValueError naming row ``index`` of ``split`` (and the start of its ``prompt``) when its prompt plus
-    ``completion_tokens`` (``completion`` says what they are) exceed the model's ``limit`` positions."""
+    ``completion_tokens`` (``completion`` says what they are) exceed the model's ``limit`` positions; ``fix``: a
+    further way out, after 'shorten or drop that row'."""
     if prompt_tokens + completion_tokens <= limit:
         return
-    fix = ", or lower rollout.max_completion_length" if "rollout." in completion else ""
     raise ValueError(f"{split} row {index} ({repr(prompt)[:50]}...) needs {prompt_tokens} prompt tokens + "
                      f"{completion_tokens} {completion} = {prompt_tokens + completion_tokens} positions, more than "
                      f"the model's {limit} (max_position_embeddings): shorten or drop that row{fix}")
@@ -183,6 +185,7 @@ class RunLock:
 
     def __init__(self, run: Path) -> None:
         self.run = run
+        self.fd: int | None = None
         self.created = [p for p in (run, *run.parents) if not p.exists()]  # deepest first
         run.mkdir(parents=True, exist_ok=True)
         path = run / LOCK
@@ -192,6 +195,10 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
                 os.close(fd)
+                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # a filesystem without locks
+                    print(f"[fastgrpo] warning: cannot lock {path} ({e.strerror}): nothing stops a second run from "
+                          "writing this run folder at the same time", flush=True)
+                    return
                 if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                     raise
                 raise ValueError(lock_holder_message(run)) from None
@@ -203,7 +210,7 @@ class RunLock:
             os.close(fd)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
-        self.fd: int | None = fd
+        self.fd = fd
 
     def release(self) -> None:
         if self.fd is None:

@@ -111,7 +111,8 @@ class Trainer(TrainingLoop):
             preflight.check_fits(split, i, rows[i].get(self.cfg.data.prompt_column, rows[i]),
                                  len(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]),
                                  completion,
-                                 "(rollout.max_completion_length)", limit)
+                                 "(rollout.max_completion_length)", limit,
+                                 fix=", or lower rollout.max_completion_length")
 
     def prompts(self, indices: list[int], rows: list[dict]) -> tuple[list[str], list[list[int]]]:
         """Render and tokenize prompts of ``rows`` (the train or the eval split), cached per row."""

@@ -181,3 +181,17 @@ def test_device_cuda_without_cuda_is_a_config_error():
         pytest.skip("CUDA is available here")
     with pytest.raises(ConfigError, match="device: is 'cuda' but no CUDA device is available"):
         load_config("configs/tiny.yaml", ["device=cuda"])
+
+
+def test_every_resumable_key_names_a_key_or_a_section_of_a_run_config():
+    """A key renamed without its entry in RESUMABLE_KEYS would turn a harmless change on resume into an error."""
+    from fastgrpo.config import RESUMABLE_KEYS, SFTConfig, TrainConfig, to_dict
+
+    def dotted(tree: dict, prefix: str = "") -> set[str]:
+        out = set()
+        for k, v in tree.items():
+            out |= {f"{prefix}{k}."} | dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
+        return out
+
+    known = dotted(to_dict(TrainConfig())) | dotted(to_dict(SFTConfig()))
+    assert [k for k in RESUMABLE_KEYS if k not in known] == []

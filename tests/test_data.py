@@ -371,3 +371,21 @@ def test_an_empty_parquet_file_is_a_one_line_error(tmp_path):
     pq.write_table(pa.table({"nums": pa.array([], pa.list_(pa.int64())), "target": pa.array([], pa.int64())}), path)
     with pytest.raises(ValueError, match="has no rows"):
         _splits(path)
+
+
+def test_a_reserved_column_name_is_an_error_unless_it_is_the_prompt_column(tmp_path, cache):
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "prompt": "x", "prompts": "y"}) + "\n" for i in range(4)))
+    with pytest.raises(ValueError, match=r"column name\(s\) \['prompt', 'prompts'\] are reserved"):
+        build_datasets(DataConfig(source=str(path), prompt_column="question", num_eval=1), cache_dir=cache)
+    path.write_text("".join(json.dumps({"prompts": f"q{i}"}) + "\n" for i in range(4)))
+    train, _, _ = build_datasets(DataConfig(source=str(path), prompt_column="prompts", num_eval=1), cache_dir=cache)
+    assert len(train) == 3  # the prompt column may have a reserved name: it is consumed as the prompt
+
+
+def test_no_training_rows_says_where_they_went(tmp_path, cache):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "same"}) + "\n" for _ in range(3)))
+    with pytest.raises(ValueError, match=r"3 valid row\(s\), 1 held out for evaluation \(data.num_eval=1\), 2 equal "
+                                         r"to a held-out row; lower data.num_eval"):
+        build_datasets(DataConfig(source=str(path), num_eval=1), cache_dir=cache)

@@ -54,7 +54,7 @@ def hang_from_second_call(completions, **kw):
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("plugin") / "hostile.py"
-    path.write_text(PLUGIN)
+    path.write_text(PLUGIN + PLUGIN_24)
     return str(path)
 
 
@@ -298,6 +298,7 @@ def test_5_a_run_killed_before_its_export_writes_it_on_rerun(tmp_path, capsys):
 
 # issue 24: no silent wrong results from rewards and data -------------------------------------------------------------
 
+# (the plugin fixture's file holds these functions too)
 PLUGIN_24 = '''
 import asyncio
 
@@ -350,13 +351,6 @@ def needs_answer(completions, answer, **kw):
 '''
 
 
-@pytest.fixture(scope="module")
-def plugin24(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("plugin24") / "issue24.py"
-    path.write_text(PLUGIN_24)
-    return str(path)
-
-
 def _prompt_rows(path: Path, n: int, **columns) -> str:
     """A JSON-lines file of ``n`` prompt rows; ``columns``: name -> function of the row index (None: left out)."""
     rows = [{"prompt": f"Write a number ({i}):", **{k: f(i) for k, f in columns.items() if f(i) is not None}}
@@ -367,10 +361,10 @@ def _prompt_rows(path: Path, n: int, **columns) -> str:
 
 @pytest.mark.parametrize("mutate, seen, sandbox", [("amutate", "aseen", "true"), ("mutate", "seen", "false")])
 def test_24_1_a_reward_changing_its_arguments_changes_nothing_another_reward_or_the_data_sees(
-        tmp_path, plugin24, capsys, mutate, seen, sandbox):
+        tmp_path, plugin, capsys, mutate, seen, sandbox):
     data = _prompt_rows(tmp_path / "tags.jsonl", 12, tags=lambda i: [i])
     rc = _main(tmp_path, "max_steps=2", f"data.source={data}", "data.num_eval=2", f"rewards.sandbox={sandbox}",
-               f"rewards.funcs=[{plugin24}:{mutate},{plugin24}:{seen}]")
+               f"rewards.funcs=[{plugin}:{mutate},{plugin}:{seen}]")
     assert rc == 0, capsys.readouterr().err[-3000:]
     rows = _metrics(tmp_path / "run")
     assert [(r[f"reward/{seen}/mean"], r[f"reward/{seen}/errors"]) for r in rows] == [(0.0, 0.0)] * 2
@@ -386,8 +380,8 @@ def test_24_2_a_data_column_with_a_reserved_name_is_a_one_line_error_before_the_
 
 
 def test_24_3_rewards_beyond_float32s_range_are_counted_errors_not_zero_advantages_or_the_runs_end(
-        tmp_path, plugin, plugin24, capsys):
-    rc = _main(tmp_path, "max_steps=2", f"rewards.funcs=[{plugin24}:plus_minus,{plugin}:huge,{plugin24}:huge_too]")
+        tmp_path, plugin, capsys):
+    rc = _main(tmp_path, "max_steps=2", f"rewards.funcs=[{plugin}:plus_minus,{plugin}:huge,{plugin}:huge_too]")
     assert rc == 0, capsys.readouterr().err[-3000:]
     rows = _metrics(tmp_path / "run")
     for name in ("plus_minus", "huge", "huge_too"):
@@ -395,8 +389,8 @@ def test_24_3_rewards_beyond_float32s_range_are_counted_errors_not_zero_advantag
     assert [r["policy/skipped_updates"] for r in rows] == [0.0, 0.0]
 
 
-def test_24_3_batch_scaled_advantages_of_large_finite_rewards_are_not_zero(tmp_path, plugin24, capsys):
-    rc = _main(tmp_path, "max_steps=1", f"rewards.funcs=[{plugin24}:spread]", "grpo.scale_rewards=batch")
+def test_24_3_batch_scaled_advantages_of_large_finite_rewards_are_not_zero(tmp_path, plugin, capsys):
+    rc = _main(tmp_path, "max_steps=1", f"rewards.funcs=[{plugin}:spread]", "grpo.scale_rewards=batch")
     assert rc == 0, capsys.readouterr().err[-3000:]
     (row,) = _metrics(tmp_path / "run")
     assert row["reward/spread/errors"] == 0 and row["adv/std"] > 0.5
@@ -442,10 +436,10 @@ def test_24_10_sft_no_training_rows_says_data_num_eval_held_them_out(tmp_path, c
                     prog="fastgrpo.sft")
 
 
-def test_24_10_rows_missing_a_rewards_column_are_counted_as_its_errors(tmp_path, plugin24, capsys):
+def test_24_10_rows_missing_a_rewards_column_are_counted_as_its_errors(tmp_path, plugin, capsys):
     data = _prompt_rows(tmp_path / "d.jsonl", 12, answer=lambda i: "1" if i % 2 else None)
     rc = _main(tmp_path, "max_steps=2", "grpo.prompts_per_step=4", f"data.source={data}", "data.num_eval=2",
-               f"rewards.funcs=[{plugin24}:needs_answer]")
+               f"rewards.funcs=[{plugin}:needs_answer]")
     assert rc == 0, capsys.readouterr().err[-3000:]
     rows = _metrics(tmp_path / "run")
     errors = [r["reward/needs_answer/errors"] for r in rows]  # 4 completions per row without an answer
@@ -453,7 +447,7 @@ def test_24_10_rows_missing_a_rewards_column_are_counted_as_its_errors(tmp_path,
     assert [r["reward/needs_answer/mean"] for r in rows] == [1 - e / 16 for e in errors]  # they score 0, others 1
 
 
-# issue 24: no silent wrong results from a rerun, a long prompt, a signal or a config mistake ---------------------------
+# issue 24: no silent wrong results from a rerun, a long prompt, a signal or a config mistake -------------------------
 
 PLUGIN_SIGNALS = '''
 import os, signal

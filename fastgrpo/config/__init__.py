@@ -28,8 +28,8 @@ from fastgrpo.config.sections import (SEEDS_SYSTEM_PROMPT, CheckpointConfig, Dat
                                       HFRolloutConfig, LogConfig, LoraConfig, ModelConfig, OptimConfig,
                                       ParallelConfig, RewardConfig, RolloutConfig, VLLMRolloutConfig)
 
-__all__ = ["RESUMABLE_KEYS", "SEEDS_SYSTEM_PROMPT", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "GRPOConfig",
-           "HFRolloutConfig", "LogConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+__all__ = ["RESUMABLE_KEYS", "SEEDS_SYSTEM_PROMPT", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig",
+           "GRPOConfig", "HFRolloutConfig", "LogConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
            "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig", "SFTOptions", "TrainConfig",
            "VLLMRolloutConfig", "check_run_config", "check_section", "choices", "describe", "load_config",
            "not_a_file", "registry", "run_defining_changes", "to_dict"]

@@ -35,8 +35,7 @@ _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 RESERVED_COLUMNS = {
     **{name: "reward functions get the rollout's values under that name" for name in sorted(ALWAYS_PASSED)},
-    "prompt": "it names the prompt column unless data.prompt_column says otherwise, and reward functions never "
-              "get it",
+    "prompt": "reward functions never get a column of that name; they get the rendered prompts as 'prompts'",
     "task": "each row's task (which picks its prompt template) is kept under that name",
 }
 """Column names a file or hub dataset may not use (except as data.prompt_column), and why: a column under such a
@@ -151,7 +150,8 @@ def no_training_rows(source: str, *, valid: int, held_out: int, overlap: int, nu
     if eval_split is None:
         parts.append(f"{held_out} held out for evaluation (data.num_eval={num_eval})")
     if overlap:
-        parts.append(f"{overlap} equal to a held-out row" + (f" of data.eval_split={eval_split!r}" if eval_split else ""))
+        of_split = f" of data.eval_split={eval_split!r}" if eval_split else ""
+        parts.append(f"{overlap} equal to a held-out row{of_split}")
     fix = "lower data.num_eval or add rows" if eval_split is None else "check data.split and data.eval_split"
     return ValueError(f"data.source: {source!r} leaves no training rows: {', '.join(parts)}; {fix}")
 

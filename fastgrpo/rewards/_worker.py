@@ -4,8 +4,9 @@
 
 Talks to the trainer over the socket FD with pickled messages (``multiprocessing.connection`` framing):
 
-- ``("load", specs)`` -> ``("loaded", [is_async, ...])`` or ``("load_error", message)``: import each reward
-  function (``path/file.py:name`` plugin or ``module:qualname``) once;
+- ``("load", specs)`` -> ``("importing",)`` (the worker's own start-up is done: the import's time bound starts),
+  then ``("loaded", [is_async, ...])`` or ``("load_error", message)``: import each reward function
+  (``path/file.py:name`` plugin or ``module:qualname``) once;
 - ``("call", [(i, kwargs, n), ...], timeout_s)`` -> ``("done", [result, ...])``: a result is
   ``("ok", values, bad)`` or ``("fail", kind, message, traceback)``. A list of several calls holds async
   functions only, awaited concurrently on this worker's event loop.
@@ -65,6 +66,7 @@ def main(argv: list[str]) -> None:
         except (EOFError, OSError):
             return
         if msg[0] == "load":
+            conn.send(("importing",))
             try:
                 funcs = [resolve_spec(s, catch=everything) for s in msg[1]]
             except ValueError as e:

@@ -38,8 +38,9 @@ from fastgrpo.errors import RewardError
 from fastgrpo.rewards.calls import CallFailure
 
 LOAD_TIMEOUT_S = 300.0
-"""Most seconds a worker may take to start and import the reward functions (a plugin may import torch), unless
-:meth:`WorkerPool.wait_ready` is given a bound (the trainer's first wait uses ``rewards.timeout_s``)."""
+"""Most seconds a worker may take to start and import the reward functions (a plugin may import torch). The
+trainer's first :meth:`WorkerPool.wait_ready` bounds the import of the functions themselves by
+``rewards.timeout_s`` instead, counted from when the worker has started and begins it."""
 ASYNC_GRACE_S = 5.0
 """Extra seconds past rewards.timeout_s before a worker awaiting async functions is killed: those calls time out
 cooperatively first (asyncio), keeping the results of the others."""
@@ -61,6 +62,7 @@ class _Worker:
     conn: Connection
     state: str = "loading"  # loading -> idle <-> busy
     started: float = field(default_factory=time.monotonic)
+    importing: float | None = None  # when it began to import the functions (its own start-up done)
     job: int = -1  # index of the job it runs
     deadline: float = 0.0
 
@@ -104,29 +106,39 @@ class WorkerPool:
         self._workers[self._workers.index(w)] = new
         return new
 
-    def _on_loaded(self, w: _Worker, msg: tuple) -> None:
+    def _on_load_message(self, w: _Worker, msg: tuple) -> None:
+        if msg[0] == "importing":
+            w.importing = time.monotonic()
+            return
         if msg[0] == "load_error":
             raise ValueError(msg[1])
         self.is_async = list(msg[1])
         w.state = "idle"
 
     def wait_ready(self, timeout_s: float | None = None) -> list[bool]:
-        """Block until every worker has imported the reward functions, at most ``timeout_s`` (``rewards.timeout_s``;
-        default LOAD_TIMEOUT_S); return which are async.
+        """Block until every worker has imported the reward functions; return which are async. A worker gets
+        LOAD_TIMEOUT_S from its start, and with ``timeout_s`` (``rewards.timeout_s``) that long for the import of the
+        functions themselves (its interpreter's start-up, which CPU contention can slow, does not count).
 
         ValueError with the worker's message when an import fails (a missing file, an exception, a SystemExit or a
         KeyboardInterrupt at import time, a missing attribute), the process exits or the time runs out: the
         trainer calls this before any model loads.
         """
-        bound = f"rewards.timeout_s={timeout_s:g} s" if timeout_s is not None else f"{LOAD_TIMEOUT_S:g} s"
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else LOAD_TIMEOUT_S)
+        def deadline(w: _Worker) -> float:
+            if timeout_s is not None and w.importing is not None:
+                return min(w.importing + timeout_s, w.started + LOAD_TIMEOUT_S)
+            return w.started + LOAD_TIMEOUT_S
+
         while any(w.state == "loading" for w in self._workers):
             loading = {w.conn: w for w in self._workers if w.state == "loading"}
-            ready = wait(list(loading), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
+            late = [w for w in loading.values() if time.monotonic() >= deadline(w)]
+            if late:
                 self.close()
+                bounded = timeout_s is not None and late[0].importing is not None
+                bound = f"rewards.timeout_s={timeout_s:g} s" if bounded else f"{LOAD_TIMEOUT_S:g} s"
                 raise ValueError(f"importing the rewards {self.specs} took more than {bound} (does a plugin file "
                                  "wait or loop at import?)")
+            ready = wait(list(loading), timeout=max(0.0, min(map(deadline, loading.values())) - time.monotonic()))
             for conn in ready:
                 w = loading[conn]
                 try:
@@ -136,7 +148,7 @@ class WorkerPool:
                     raise ValueError(f"importing the rewards {self.specs} ended the process ({_exit_status(w)}): a "
                                      "plugin file must not exit at import; run the import by hand to see why") from None
                 try:
-                    self._on_loaded(w, msg)
+                    self._on_load_message(w, msg)
                 except ValueError:
                     self.close()
                     raise
@@ -209,7 +221,7 @@ class WorkerPool:
                 continue
             if w.state == "loading":
                 try:
-                    self._on_loaded(w, msg)
+                    self._on_load_message(w, msg)
                 except ValueError as e:  # it imported at start, and fails now: the plugin file changed?
                     raise RewardError(f"a restarted reward worker could not import the rewards: {e}") from None
                 continue

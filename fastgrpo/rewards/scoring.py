@@ -119,9 +119,10 @@ class RewardRunner:
 
     @classmethod
     def from_config(cls, cfg: Any, *, max_completion_length: int | None = None) -> "RewardRunner":
-        """From a :class:`fastgrpo.config.RewardConfig`. ``rewards.kwargs`` are checked against each function's
-        parameters and bound (:func:`fastgrpo.rewards.columns.configure_rewards`) before any worker starts; the
-        bound functions are kept in ``funcs`` for the dataset-column check."""
+        """From a :class:`fastgrpo.config.RewardConfig`. Once the workers have imported the plugin files, this
+        process imports them too, and ``rewards.kwargs`` are checked against each function's parameters and bound
+        (:func:`fastgrpo.rewards.columns.configure_rewards`); the bound functions are kept in ``funcs`` for the
+        dataset-column check."""
         runner = cls(cfg.funcs, weights=cfg.weights, sandbox=cfg.sandbox, num_workers=cfg.num_workers,
                      timeout_s=cfg.timeout_s, on_error=cfg.on_error, on_error_value=cfg.on_error_value)
         try:
