@@ -138,9 +138,10 @@ class TrainingLoop:
             model = apply_lora(model, cfg.model.lora)
         self.model = parallelize_model(model, cfg.parallel, device=self.device, world_size=self.world_size)
         o = cfg.optim
-        # fused: one kernel for every parameter's update (torch's default is a loop of several ops per parameter).
+        # foreach: a handful of multi-tensor ops per step for all parameters (torch's default on CUDA; on a CPU its
+        # default is a loop of several ops per parameter).
         self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=o.lr, betas=tuple(o.betas),
-                                           weight_decay=o.weight_decay, fused=True)
+                                           weight_decay=o.weight_decay, foreach=True)
         self.total_updates = total_updates
         self.scheduler = build_scheduler(self.optimizer, warmup_steps=o.warmup_steps, total_steps=total_updates,
                                          schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
