@@ -70,12 +70,20 @@ def _varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
             "max_length_q": mb.max_seqlen, "max_length_k": mb.max_seqlen}
 
 
-def _sdpa_varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
-    # also the boundaries as host ints, from the packing plan: no device-to-host copy per layer
+def _no_padding(mb: MicroBatch) -> torch.Tensor:
+    """[1, T] bool, every token real: a stride-0 view of one True. Passing it (instead of no mask) keeps
+    transformers from reading the row's packing out of position_ids, a host sync per forward; fastgrpo's own mask
+    function (:func:`_sdpa_varlen_mask`) knows the marker and builds nothing."""
+    return torch.ones((), dtype=torch.bool, device=mb.input_ids.device).expand(1, mb.num_tokens)
+
+
+def _own_varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
+    # fastgrpo's varlen backends: the boundaries also as host ints, from the packing plan (no device-to-host copy
+    # per layer in sdpa_varlen), and the no-padding marker
     bounds = [0]
     for length in mb.seq_lengths or [mb.num_tokens]:  # a dummy row is one sequence of its one token
         bounds.append(bounds[-1] + length)
-    return {**_varlen_inputs(mb), "sequence_bounds": bounds}
+    return {**_varlen_inputs(mb), "sequence_bounds": bounds, "attention_mask": _no_padding(mb)}
 
 
 def _position_ids_only(mb: MicroBatch) -> dict[str, Any]:
@@ -193,7 +201,8 @@ def _torch_varlen(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
 def _sdpa_varlen_mask(*, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None, **_) -> None:
     """transformers mask function of ``"sdpa_varlen"``: builds nothing (the attention needs only the boundaries),
     but refuses what per-sequence causal attention would get wrong: padding, and a KV cache (decoding)."""
-    if attention_mask is not None and not bool(attention_mask.all()):
+    no_padding = attention_mask is None or (attention_mask.dim() == 2 and attention_mask.stride() == (0, 0))
+    if not no_padding and not bool(attention_mask.all()):
         raise ValueError("model.attn_implementation=sdpa_varlen runs packed rows and unpadded sequences only, "
                          "without padding (the rollout engine decodes with sdpa)")
     if q_length != kv_length:
@@ -240,10 +249,10 @@ register_attn_backend("flash_attention_2", AttnBackend(check=_needs_flash_attn, 
 register_attn_backend("flex_attention", AttnBackend(decode_with="sdpa"))
 register_attn_backend("sdpa", AttnBackend(packed_inputs=_sdpa_inputs))
 # sdpa per sequence of a packed row (see _sdpa_per_sequence): the CPU default; decoding needs sdpa's masks.
-register_attn_backend("sdpa_varlen", AttnBackend(packed_inputs=_sdpa_varlen_inputs, decode_with="sdpa"))
+register_attn_backend("sdpa_varlen", AttnBackend(packed_inputs=_own_varlen_inputs, decode_with="sdpa"))
 register_attn_backend("eager", AttnBackend())
 # torch's FlashAttention varlen kernel (CUDA, bf16/fp16): the CUDA default without flash-attn; decodes with sdpa.
-register_attn_backend("torch_varlen", AttnBackend(check=_needs_torch_varlen, packed_inputs=_varlen_inputs,
+register_attn_backend("torch_varlen", AttnBackend(check=_needs_torch_varlen, packed_inputs=_own_varlen_inputs,
                                                   decode_with="sdpa"))
 
 

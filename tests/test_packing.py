@@ -151,12 +151,32 @@ def test_varlen_backends_receive_boundaries(attn):
     prompts, completions = _random_batch(seed=3, s=4)
     mb = pack(prompts, completions, [[0, 1, 2, 3]], "cpu")[0]
     kw = ATTN_BACKENDS[attn].packed_inputs(mb)
-    assert "attention_mask" not in kw  # no [T, T] mask is built
+    mask = kw.get("attention_mask")  # no [T, T] mask is built; fastgrpo's own backends get the no-padding marker
+    assert mask is None if attn == "flash_attention_2" else (mask.shape == (1, mb.num_tokens) and mask.stride() == (0, 0))
     assert kw["cu_seq_lens_q"].dtype == torch.int32
     assert kw["cu_seq_lens_q"].tolist() == [0, *torch.tensor(mb.seq_lengths).cumsum(0).tolist()]
     assert kw["max_length_q"] == max(mb.seq_lengths) and isinstance(kw["max_length_q"], int)
-    if attn == "sdpa_varlen":  # the same boundaries as host ints: no device-to-host copy in every layer
+    if attn != "flash_attention_2":  # the same boundaries as host ints: no device-to-host copy in every layer
         assert kw["sequence_bounds"] == kw["cu_seq_lens_q"].tolist()
+
+
+@pytest.mark.parametrize("attn", ["sdpa_varlen", "torch_varlen"])
+def test_the_packed_forward_of_fastgrpos_varlen_backends_reads_nothing_back(attn, monkeypatch):
+    """No host sync in the packed forward: the boundaries come as host ints and the no-padding marker keeps
+    transformers from reading the packing out of position_ids (``.item()``: counted by the op counter)."""
+    from benchmarks.op_counter import OpCounter
+
+    model = tiny_model("qwen2", attn if attn == "sdpa_varlen" else "sdpa_varlen")  # torch_varlen: CUDA only
+    prompts, completions = _random_batch(seed=3, s=4)
+    mb = pack(prompts, completions, [list(range(4))], "cpu")[0]
+    if attn == "torch_varlen":  # its inputs, through the sdpa_varlen attention function (CPU)
+        monkeypatch.setitem(ATTN_BACKENDS, "sdpa_varlen", ATTN_BACKENDS["torch_varlen"])
+    head = lambda h, w: (h @ w.T).sum()  # noqa: E731
+    counter = OpCounter()
+    with counter.active():
+        packed_head_forward(model, mb, head)
+    assert counter.total(kind="syncs") == 0, dict(counter.by_name(kind="syncs"))
+    assert counter.total() > 50  # it counted the forward
 
 
 # ----------------------------------------------------------------------------------------------------------------

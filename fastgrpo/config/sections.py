@@ -139,7 +139,8 @@ class RewardConfig:
     num_workers: int = 2
     """Reward worker processes per rank (at most one per sandboxed function is started)."""
     timeout_s: float = 60.0
-    """Most seconds one sandboxed reward call (a function on a step's completions) may take; then it is killed."""
+    """Most seconds one sandboxed reward call (a function on a step's completions), or the import of a plugin file,
+    may take; then it is killed."""
     on_error: Literal["value", "raise"] = "value"
     """A reward call that raises, times out, or returns a wrong length, a non-number or a non-finite value:
     'value' scores the completions it affects on_error_value (counted in reward/<name>/errors); 'raise' stops."""
