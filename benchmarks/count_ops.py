@@ -145,6 +145,10 @@ def count_fastgrpo(spec: dict, budget: int) -> dict:
     tree["grpo"]["max_tokens_per_microbatch"] = budget
     path = Path(spec["run_dir"]) / "fastgrpo.yaml"
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    # The decode loop checks for finished rows every step on a CPU (free there) and every 8 on a GPU: count the GPU's.
+    from fastgrpo.rollout import hf as hf_engine
+
+    hf_engine.finish_check_every = lambda device: 8
     trainer = Trainer(load_config(path, [], cls=TrainConfig))
     try:
         for _ in range(spec["warmup"]):
