@@ -41,7 +41,7 @@ from fastgrpo.tiny import _RECIPE_VERSION, tiny_cache_root
 __all__ = ["WARM_RECIPES", "build_warm", "recipe_config", "warm_folder"]
 
 # Bump when the SFT code changes in a way the resolved config does not show (e.g. the trace writer).
-_WARM_VERSION = "w1"
+_WARM_VERSION = "w2"  # w2: AdamW with foreach=True (2026-11-25): other rounding, so another model
 
 # Torch threads of the build (see build_warm): 2, the demo machine's core count.
 _BUILD_THREADS = 2
