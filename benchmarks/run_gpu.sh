@@ -127,8 +127,13 @@ if python3 -c "import pytest_timeout" 2>/dev/null; then PYTEST_ARGS+=(--timeout=
 if [ "${PYTEST_WORKERS:-4}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
   PYTEST_ARGS+=(-n "${PYTEST_WORKERS:-4}")
 fi
+#    Two CPU-only tests are left to CI: the Triton interpreter cases (written for triton 3.9's interpreter; the GPU
+#    runs the compiled kernels instead) and flex_attention compiled for the CPU (inductor's C++ build alone outlasts
+#    the per-test limit there).
+PYTEST_ARGS+=(--deselect tests/kernels/test_triton_interpret.py::test_triton_kernels_under_interpreter
+              --deselect tests/test_packing.py::test_flex_attention_packed_logprobs_equal_unpadded)
 step pytest "$(cap 150)" python3 -m pytest "${PYTEST_ARGS[@]}" tests/test_packing.py tests/test_lean_decode.py \
-  tests/test_rollout_hf.py tests/kernels tests/test_losses.py
+  tests/test_rollout_hf.py tests/test_one_gpu.py tests/kernels tests/test_losses.py
 keep "$WORK/pytest.xml"
 
 # -- 4. kernels: ours (cublas path) and ours_recompute (Triton) vs naive torch (TRL) vs Liger (if installed) vs the

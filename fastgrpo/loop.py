@@ -32,7 +32,7 @@ from fastgrpo.metrics import RunLog, drop_records_after
 from fastgrpo.lora import apply_lora, check_peft_available, trainable_parameters
 from fastgrpo.memory import set_malloc_mmap_threshold
 from fastgrpo.model import check_plain_head, load_model, resolve_model_path
-from fastgrpo.parallelize import parallelize_model, uses_fsdp
+from fastgrpo.parallelize import autocast_dtype, parallelize_model, uses_fsdp
 
 # Test hook: SIGKILL this process in the middle of the given step (GRPO: after its rollout, before its update; SFT:
 # before its update), so the kill-and-resume tests are deterministic.
@@ -117,12 +117,15 @@ class TrainingLoop:
     def _init_model(self, total_updates: int) -> None:
         """The policy (loaded, parallelized), AdamW, the LR schedule over ``total_updates``; then resume."""
         cfg = self.cfg
-        # Under FSDP on CUDA, 'auto' loads float32 master weights and FSDP computes in parallel.param_dtype: AdamW
-        # updates of lr ~ 1e-6 vanish in bfloat16 weights (8 bits of mantissa).
+        # On CUDA, 'auto' loads float32 master weights, and FSDP2 (several ranks) or autocast (one plain GPU)
+        # computes in parallel.param_dtype: AdamW updates of lr ~ 1e-6 vanish in bfloat16 weights (8 bits of
+        # mantissa). A LoRA base is frozen: it needs no masters and loads in bfloat16 on one plain GPU.
         master_dtype = None
-        if cfg.model.dtype == "auto" and self.device.type == "cuda" and \
-                uses_fsdp(cfg.parallel, self.device, self.world_size):
-            master_dtype = torch.float32
+        if cfg.model.dtype == "auto" and self.device.type == "cuda":
+            if uses_fsdp(cfg.parallel, self.device, self.world_size):
+                master_dtype = torch.float32
+            elif not cfg.model.lora.enabled and autocast_dtype(cfg.parallel, self.device, self.world_size):
+                master_dtype = torch.float32
         if cfg.model.lora.enabled:
             check_peft_available()  # before the model loads
         # Sequences longer than the model's positions train on untrained embeddings (transformers only warns), or

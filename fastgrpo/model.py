@@ -265,5 +265,13 @@ def packed_head_forward(model: torch.nn.Module, mb: MicroBatch,
     parallelized model and this function directly on a plain one.
     """
     trunk, lm_head = get_trunk_and_head(model)  # rejects models whose logits are not hidden @ weight.T
-    hidden = packed_hidden_states(trunk, mb)  # [N, H]
-    return head(hidden, lm_head.weight)  # weight: [V, H]
+    dtype = getattr(model, "autocast_dtype", None)  # one plain GPU: float32 masters, compute in bf16
+    if dtype is None:
+        hidden = packed_hidden_states(trunk, mb)  # [N, H]
+        return head(hidden, lm_head.weight)  # weight: [V, H]
+    device_type = lm_head.weight.device.type
+    with torch.autocast(device_type, dtype=dtype):
+        hidden = packed_hidden_states(trunk, mb)  # [N, H]; float32 where the residual stream is (as under AMP)
+    # The head runs outside autocast on both operands cast (differentiably) to the compute dtype, as an autocast
+    # lm_head would: the kernels reduce in float32 themselves, and the weight's gradient lands in float32.
+    return head(hidden.to(dtype), lm_head.weight.to(dtype))

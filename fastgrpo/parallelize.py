@@ -4,7 +4,8 @@ The model code knows nothing of this; ``parallelize_model`` changes the module i
 
 1. activation checkpointing per transformer block (wraps the block),
 2. ``torch.compile`` per block (compiles the wrapped block, so recomputation is compiled too),
-3. FSDP2 ``fully_shard`` per block, then on the root module.
+3. FSDP2 ``fully_shard`` per block, then on the root module (several ranks; one GPU: ``parallel.one_gpu``).
+   A plain module on one GPU gets ``model.autocast_dtype`` instead: its forwards run under autocast.
 
 The order matters: FSDP's all-gather / reduce-scatter hooks must sit *outside* the checkpointed and compiled
 region, so that recomputation in backward does not all-gather again and dynamo does not trace collectives.
@@ -118,8 +119,16 @@ def _apply_fsdp(model: nn.Module, blocks: nn.ModuleList, cfg: ParallelConfig, de
 
 
 def uses_fsdp(cfg: ParallelConfig, device: torch.device | str, world_size: int) -> bool:
-    """FSDP2 applies with several ranks, and on CUDA even with one (for fp32 masters + bf16 compute)."""
-    return cfg.fsdp and (world_size > 1 or torch.device(device).type == "cuda")
+    """FSDP2 applies with several ranks, and with one CUDA rank when ``parallel.one_gpu`` is 'fsdp'."""
+    return cfg.fsdp and (world_size > 1 or (torch.device(device).type == "cuda" and cfg.one_gpu == "fsdp"))
+
+
+def autocast_dtype(cfg: ParallelConfig, device: torch.device | str, world_size: int) -> torch.dtype | None:
+    """The dtype a plain (not FSDP2) CUDA module computes in under autocast, or None (no autocast: CPU, FSDP2,
+    or ``param_dtype`` float32). Its parameters stay in the dtype they were loaded in (float32 masters)."""
+    if torch.device(device).type != "cuda" or uses_fsdp(cfg, device, world_size):
+        return None
+    return None if cfg.param_dtype == "float32" else _DTYPES[cfg.param_dtype]
 
 
 def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.device | str,
@@ -152,6 +161,8 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
                              "(fastgrpo.distributed.init_distributed)")
         _apply_fsdp(model, blocks, cfg, device, world_size)
     assert _tied(model) == tied, "parallelize_model must not untie (or tie) the embeddings"
+    # One plain GPU: forwards run under autocast (packed_head_forward, the hf engine), float32 weights as masters.
+    model.autocast_dtype = autocast_dtype(cfg, device, world_size)
     # Bound to this instance so that FSDP's pre/post-forward hooks can wrap it like forward.
     model.packed_forward = types.MethodType(packed_head_forward, model)
     if torch.distributed.is_available():  # builds without distributed support have no torch.distributed.fsdp

@@ -350,9 +350,15 @@ class OptimConfig:
 @dataclass(kw_only=True)
 class ParallelConfig:
     fsdp: bool = True
-    """FSDP2 (fully_shard per block + root) with world size > 1, and on CUDA with one GPU too (mixed precision)."""
+    """FSDP2 (fully_shard per block + root) with world size > 1 (one GPU: see ``one_gpu``)."""
+    one_gpu: Literal["plain", "fsdp"] = "plain"
+    """One CUDA process: 'plain' keeps a plain module with float32 master weights whose forwards run under autocast
+    to ``param_dtype`` (as torch AMP and TRL's bf16 do), and the hf rollout engine decodes with a ``param_dtype``
+    copy of the weights, refreshed after every optimizer step; 'fsdp' wraps it in FSDP2 as with several ranks (the
+    default before 2026-11-25; its one-rank gathers cost launches, and its DTensors rule out the lean decode step)."""
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """FSDP2 mixed precision: dtype of gathered parameters on CUDA (CPU always computes in float32)."""
+    """Compute dtype on CUDA: FSDP2's gathered parameters, or the autocast dtype of one plain GPU (CPU always
+    computes in float32)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 mixed precision: dtype of gradient reductions."""
     cpu_offload: bool = False

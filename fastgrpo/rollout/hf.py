@@ -48,6 +48,7 @@ from torch import nn
 
 from fastgrpo.config import HFRolloutConfig, check_section
 from fastgrpo.attention import decoding_attn_implementation
+from fastgrpo.policy_state import is_lora
 from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
 from fastgrpo.rollout.kv_cache import preallocated_kv_cache
 from fastgrpo.rollout.lean_decode import GraphedStep, LeanDecoder, lean_unsupported_reason
@@ -72,6 +73,32 @@ def _reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def decode_copy(model: nn.Module) -> tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]] | None:
+    """For a policy with float32 masters that computes under autocast (one plain GPU, ``model.autocast_dtype``): a
+    copy of it in that dtype to decode with, and the (copy, policy) parameter lists that :meth:`HFEngine.sync_from`
+    refreshes it from; None when the engine decodes with the policy itself (CPU, FSDP2, LoRA, bf16 weights).
+
+    Decoding reads every weight once per token, so float32 weights would double its memory traffic and rule out
+    the bf16 CUDA-graph step; the copy costs 2 bytes per parameter. Buffers (rotary frequencies) are shared, and
+    tied weights stay tied (``deepcopy``'s memo maps each parameter once)."""
+    dtype = getattr(model, "autocast_dtype", None)
+    params = list(model.parameters())
+    if dtype is None or is_lora(model) or not params or all(p.dtype == dtype for p in params):
+        return None
+    with torch.no_grad():
+        memo = {id(p): nn.Parameter(p.detach().to(dtype) if p.is_floating_point() else p.detach().clone(),
+                                    requires_grad=False) for p in params}
+        memo.update({id(b): b for b in model.buffers()})
+        if hasattr(model, "packed_forward"):  # the trainer's bound method: the copy only decodes
+            memo[id(model.packed_forward)] = None
+        copy = __import__("copy").deepcopy(model, memo)
+    if getattr(copy, "packed_forward", 0) is None:
+        del copy.packed_forward
+    copy.autocast_dtype = None
+    copy.eval()
+    return copy, [memo[id(p)] for p in params], params
 
 
 def _chunk_generator(seed: int | None, chunk: int, device: torch.device) -> torch.Generator:
@@ -188,7 +215,8 @@ def _decoding_attention(model: nn.Module) -> Iterator[None]:
 
 @register_engine("hf")
 class HFEngine(RolloutEngine):
-    """Generates with the policy module itself (single process or FSDP2, no copy of the weights).
+    """Generates with the policy module itself (single process or FSDP2, no copy of the weights), or, on one plain
+    GPU with float32 masters, with a bf16 copy refreshed by :meth:`sync_from` after each step (:func:`decode_copy`).
 
     Under torch.distributed every rank must call :meth:`generate` with the same number of sequences and the
     same max_tokens: the decode loop runs until *all* ranks are done, because an FSDP2-sharded forward is a
@@ -202,7 +230,9 @@ class HFEngine(RolloutEngine):
         self.decode = options.decode
         self.batch_size = options.batch_size
         self.cuda_graph = options.cuda_graph
-        self.model = model
+        copy = decode_copy(model)  # one plain GPU with float32 masters: decode with a bf16 copy
+        self.model = model if copy is None else copy[0]
+        self._copy_params, self._policy_params = (None, None) if copy is None else copy[1:]
         self.tokenizer = tokenizer
         self.eos_ids = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
@@ -215,7 +245,16 @@ class HFEngine(RolloutEngine):
         return cls(setup.model, setup.tokenizer, setup.cfg.hf)
 
     def sync_from(self, model: nn.Module) -> bool:
-        return False  # generates with the policy module itself
+        """Refresh the decode copy from the policy (one multi-tensor copy); False when the engine decodes with the
+        policy module itself (nothing to copy)."""
+        if self._copy_params is None:
+            return False
+        params = list(model.parameters())
+        if len(params) != len(self._policy_params) or any(a is not b for a, b in zip(params, self._policy_params)):
+            raise ValueError("HFEngine.sync_from: not the policy this engine's decode copy was made from")
+        with torch.no_grad():
+            torch._foreach_copy_(self._copy_params, params)
+        return True
 
     # -- RolloutEngine ----------------------------------------------------------------------------------------
 
@@ -227,8 +266,10 @@ class HFEngine(RolloutEngine):
         self.model.eval()
         lean = self.lean_decoder()
         flat: list[Completion] = []
+        dtype = getattr(self.model, "autocast_dtype", None)  # a LoRA policy on one plain GPU decodes under autocast
+        amp = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         try:
-            with torch.no_grad(), _decoding_attention(self.model):
+            with torch.no_grad(), amp, _decoding_attention(self.model):
                 for chunk, start in enumerate(range(0, len(seqs), self.batch_size)):
                     generator = _chunk_generator(sampling.seed, chunk, device)
                     flat += self._generate_chunk(seqs[start:start + self.batch_size], sampling, generator, device,

@@ -1,0 +1,101 @@
+"""One plain GPU (``parallel.one_gpu: plain``): float32 masters, forwards under autocast, a bf16 decode copy.
+
+The CPU tests simulate the GPU path by giving a CPU model ``autocast_dtype = bfloat16`` (what ``parallelize_model``
+sets on one CUDA rank): CPU autocast runs the same code. The last test runs the real thing on CUDA when one exists.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fastgrpo.config import ParallelConfig
+from fastgrpo.kernels import linear_logprobs
+from transformers import AutoTokenizer
+from fastgrpo.packing import pack
+from fastgrpo.parallelize import autocast_dtype, parallelize_model, uses_fsdp
+from fastgrpo.rollout import SamplingParams
+from fastgrpo.rollout.hf import HFEngine, decode_copy
+from fastgrpo.tiny import build_tiny
+
+
+def test_one_cuda_rank_is_plain_with_autocast_and_fsdp_only_when_asked():
+    cfg = ParallelConfig()
+    assert not uses_fsdp(cfg, "cuda", 1) and autocast_dtype(cfg, "cuda", 1) == torch.bfloat16
+    assert uses_fsdp(cfg, "cuda", 2) and autocast_dtype(cfg, "cuda", 2) is None  # several ranks: FSDP2 computes
+    one_fsdp = ParallelConfig(one_gpu="fsdp")
+    assert uses_fsdp(one_fsdp, "cuda", 1) and autocast_dtype(one_fsdp, "cuda", 1) is None
+    assert autocast_dtype(cfg, "cpu", 1) is None and not uses_fsdp(cfg, "cpu", 1)  # CPU computes in float32
+    assert autocast_dtype(ParallelConfig(param_dtype="float32"), "cuda", 1) is None
+
+
+def _policy(seed=0):
+    model = AutoModelForCausalLM.from_pretrained(build_tiny(seed=seed), dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    return parallelize_model(model, ParallelConfig(), device="cpu", world_size=1)
+
+
+def _logp_sum(model, mb):
+    return model.packed_forward(mb, lambda h, w: (linear_logprobs(h, w, mb.targets, backend="torch"), h.dtype,
+                                                  w.dtype))
+
+
+def test_autocast_forward_is_bf16_compute_with_float32_master_gradients():
+    model = _policy()
+    mb = pack([[1, 2, 3, 4], [5, 6, 7]], [[8, 9], [10, 11, 12]], [[0, 1]], "cpu")[0]
+    ref, h_dtype, w_dtype = _logp_sum(model, mb)
+    assert h_dtype == w_dtype == torch.float32
+    model.autocast_dtype = torch.bfloat16
+    lp, h_dtype, w_dtype = _logp_sum(model, mb)
+    assert h_dtype == w_dtype == torch.bfloat16  # the head gets both operands in the compute dtype
+    assert not torch.equal(lp, ref)  # bf16 compute really happened ...
+    torch.testing.assert_close(lp, ref, atol=0.15, rtol=0.05)  # ... and is the same function
+    lp.sum().backward()
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name
+        assert torch.isfinite(p.grad).all(), name
+    assert model.lm_head.weight.grad.abs().sum() > 0
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(build_tiny())
+
+
+def test_decode_copy_is_bf16_tied_and_refreshed_by_sync_from(tok):
+    policy = _policy()
+    assert decode_copy(policy) is None  # no autocast: the engine decodes with the policy itself
+    assert not HFEngine(policy, tok).sync_from(policy)
+    policy.autocast_dtype = torch.bfloat16
+    engine = HFEngine(policy, tok, batch_size=4)
+    copy = engine.model
+    assert copy is not policy and all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copy.parameters())
+    assert copy.get_input_embeddings().weight is copy.get_output_embeddings().weight  # the tie survives
+    assert not hasattr(copy, "packed_forward") and copy.autocast_dtype is None
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01)
+    assert not torch.equal(copy.lm_head.weight, policy.lm_head.weight.to(torch.bfloat16))
+    assert engine.sync_from(policy)
+    for (name, c), p in zip(copy.named_parameters(), policy.parameters()):
+        assert torch.equal(c, p.detach().to(torch.bfloat16)), name
+    with pytest.raises(ValueError, match="not the policy"):
+        engine.sync_from(_policy(seed=1))
+    out = engine.generate([tok("12 + 3 =")["input_ids"]], 2, SamplingParams(max_tokens=6, temperature=1.0, seed=0))
+    assert len(out) == 1 and len(out[0]) == 2 and all(1 <= len(c.token_ids) <= 6 for c in out[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_gpu_step_on_cuda_matches_float32_and_decodes_with_the_graph(tok):
+    model = AutoModelForCausalLM.from_pretrained(build_tiny(), dtype=torch.float32, attn_implementation="sdpa")
+    model = parallelize_model(model, ParallelConfig(), device="cuda", world_size=1)
+    assert model.autocast_dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.float32
+    mb = pack([[1, 2, 3, 4], [5, 6, 7]], [[8, 9], [10, 11, 12]], [[0, 1]], "cuda")[0]
+    lp, _, _ = _logp_sum(model, mb)
+    model.autocast_dtype = None
+    ref, _, _ = _logp_sum(model, mb)
+    torch.testing.assert_close(lp, ref, atol=0.15, rtol=0.05)
+    model.autocast_dtype = torch.bfloat16
+    engine = HFEngine(model, tok, batch_size=4)
+    assert engine.lean_decoder() is not None  # the bf16 copy is plain: lean step and CUDA graph apply
+    out = engine.generate([tok("12 + 3 =")["input_ids"]], 4, SamplingParams(max_tokens=8, temperature=1.0, seed=0))
+    assert all(1 <= len(c.token_ids) <= 8 for c in out[0])
