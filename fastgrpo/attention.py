@@ -122,13 +122,16 @@ def _sdpa_per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         i = torch.arange(n, device=query.device)
         return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < sliding_window)
 
-    def attend(a: int, b: int) -> torch.Tensor:  # [1, Hq, L_i, d]
-        mask = band(b - a)
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [1, Hq, L_i, d]
+        mask = band(q.shape[2])
         return torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], attn_mask=mask, dropout_p=dropout,
-            is_causal=mask is None, scale=scaling, enable_gqa=gqa)
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa)
 
-    outs = [attend(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    # One split per tensor, not a slice per sequence: a split's backward is one concatenation, where each slice's
+    # backward writes its gradient into a fresh zero tensor of the whole row (3 K zero-fills and adds per layer).
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    parts = zip(*(t.split(lengths, dim=2) for t in (query, key, value)))
+    outs = [attend(q, k, v) for q, k, v in parts]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, Hq, T, d]
     return out.transpose(1, 2).contiguous(), None
 
@@ -183,6 +186,12 @@ def _torch_varlen(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     e.g. the head probe), runs :func:`_sdpa_per_sequence` instead, which gives the same causal attention.
     """
     cu = kwargs.get("cu_seq_lens_q")
+    device_type = query.device.type
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        # Under autocast (one plain GPU, float32 masters) q and k leave the rotary embedding in float32 (its cos/sin
+        # follow the float32 residual stream); sdpa would cast them to the autocast dtype itself, so do the same.
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     if cu is None or query.dtype not in (torch.bfloat16, torch.float16) or dropout:
         return _sdpa_per_sequence(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
                                   **kwargs)

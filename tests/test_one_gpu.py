@@ -99,3 +99,36 @@ def test_one_gpu_step_on_cuda_matches_float32_and_decodes_with_the_graph(tok):
     assert engine.lean_decoder() is not None  # the bf16 copy is plain: lean step and CUDA graph apply
     out = engine.generate([tok("12 + 3 =")["input_ids"]], 4, SamplingParams(max_tokens=8, temperature=1.0, seed=0))
     assert all(1 <= len(c.token_ids) <= 8 for c in out[0])
+
+
+def test_torch_varlen_under_autocast_gets_the_autocast_dtype(monkeypatch):
+    """Under autocast q and k leave the rotary embedding in float32 (its cos/sin follow the float32 residual stream):
+    the varlen kernel must still get bf16 (FlashAttention has no float32) instead of falling back to per-sequence
+    sdpa. A stand-in with varlen_attn's contract records what it receives (the real one runs on CUDA only)."""
+    import sys
+    import types
+
+    from fastgrpo.attention import _sdpa_per_sequence, _torch_varlen
+
+    seen = []
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, is_causal=True, enable_gqa=False):
+        seen.append(q.dtype)
+        bounds = cu_q.tolist()
+        out = [torch.nn.functional.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale, enable_gqa=enable_gqa)
+            for a, b in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(out, 1).transpose(0, 1)  # [T, H, d]
+
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", types.SimpleNamespace(varlen_attn=varlen_attn))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 7, 32) for _ in range(3))  # [1, H, T, d], two sequences of 3 and 4 tokens
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4, max_length_k=4, sequence_bounds=[0, 3, 7])
+    ref, _ = _sdpa_per_sequence(None, q, k, v, None, **kw)
+    out, _ = _torch_varlen(None, q, k, v, None, **kw)
+    assert seen == []  # float32 without autocast: the per-sequence fallback
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = _torch_varlen(None, q, k, v, None, **kw)
+    assert seen == [torch.bfloat16] and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.05)
