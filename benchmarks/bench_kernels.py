@@ -9,7 +9,12 @@ Methods (same inputs from harness.make_inputs, bf16, DAPO-style token weights, o
                forward: three cuBLAS products plus two Triton row kernels); chunked torch on CPU
   ours_recompute  backend "triton": all-Triton, online log-sum-exp forward, logits recomputed in backward (four
                products, no host sync)
-  naive        full fp32 logits, log_softmax, gather (TRL's path; reference_linear_grpo_loss)
+  naive        full fp32 logits, log_softmax, gather (reference_linear_grpo_loss; TRL's path before its fused head)
+  trl          TRL's own fused head, when trl is installed: the forward ``trl.trainer.utils.add_fused_lm_head``
+               installs, patched onto a stand-in model whose backbone returns the benchmark's hidden states, and
+               called as TRL's GRPOTrainer calls it (temperature 1, outputs log-probs and entropy, labels -100 where
+               the token weight is 0, under autocast in bf16); its chunked log-prob function runs Triton on CUDA
+               and folds its tiles in torch on CPU. The same token loss follows (TokenObjective).
   liger        Liger-Kernel's LigerFusedLinearGRPOLoss (chunked torch), when installed
   liger_triton Liger-Kernel's Triton grpo_loss op on materialised bf16 logits, when installed
   floor        three cuBLAS matmuls: hidden @ W.T, dZ @ W, dZ.T @ hidden (what any exact method must do)
@@ -20,10 +25,7 @@ The x-floor column is each method's time over the floor's for the same shape. --
 CPU mode (--cpu): float32 forward + backward at the issue's shape (N=4096, H=896, V=151936: Qwen2.5-0.5B's head)
 and the embedded tiny model's (H=64, V=263), methods called in turn (floor, ours, naive, ...) and repeated, so
 that load on a shared machine hits all alike; medians with the spread, and x-floor as the median of each round's
-ratio. Extra methods there:
-  trl          TRL's computation, written here from its description: full logits from the lm_head, divided by the
-               temperature, then a selective log-softmax that gathers the target logit and takes the log-sum-exp
-               one sequence ([T, V]) at a time, then the same token loss
+ratio. Extra method there:
   ours_logprobs  fastgrpo.kernels.linear_logprobs (backend "auto", what a caller gets: chunked torch on CPU, the
                Triton recompute path on CUDA) with the loss's upstream gradient: the recompute path (four products)
                that the loss path avoids. (Forcing backend "torch" on CUDA measured 15-21x the floor on an H100:
@@ -42,6 +44,7 @@ import platform
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -65,7 +68,7 @@ CPU_SHAPES = {  # --cpu-shapes picks by key
     "tiny": Shape(n=4096, h=64, v=263, label="tiny 32x128"),
     "tiny-demo": Shape(n=1536, h=64, v=263, label="tiny 32x48"),
 }
-TRL_T = 256  # tokens per sequence in TRL's per-sequence log-sum-exp loop
+TRL_T = 256  # tokens per sequence in the [B, T] layout TRL's head is given
 
 
 def _ours(inp, backend="auto"):
@@ -95,17 +98,59 @@ def _ours_logprobs(inp):
     torch.autograd.grad((logp * inp["advantages"] * inp["token_weights"]).sum(), (inp["hidden"], inp["weight"]))
 
 
-def _trl(inp, temperature=1.0):
+class _HiddenStatesLM(torch.nn.Module):
+    """A stand-in causal LM for TRL's ``add_fused_lm_head``: its backbone returns fixed hidden states [B, T+1, H] and
+    its output embedding is the benchmark's weight, so the patched forward runs TRL's head code on our inputs."""
+
+    def __init__(self, hidden_bt1h, weight):
+        from transformers import PretrainedConfig
+
+        super().__init__()
+        self.config = PretrainedConfig()
+        self._hidden, self._head = hidden_bt1h, types.SimpleNamespace(weight=weight, bias=None)
+        self.base_model = lambda **_: types.SimpleNamespace(last_hidden_state=self._hidden)
+
+    def get_output_embeddings(self):
+        return self._head
+
+    def forward(self, **kwargs):  # replaced by add_fused_lm_head; never called unpatched here
+        raise NotImplementedError
+
+
+def trl_loss(inp):
+    """TRL's fused head as its GRPOTrainer installs and calls it (module docstring), then the token loss:
+    ``(loss_fn, leaves)``, where ``loss_fn()`` is the scalar loss and ``leaves`` the (hidden, weight) it flows to."""
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+    except ImportError as exc:
+        raise Unavailable("not run: trl not installed (pip install trl)") from exc
     from fastgrpo.kernels import TokenObjective
 
     b, t_len = _liger_sequences(inp, TRL_T)
-    logits = (inp["hidden"] @ inp["weight"].T).view(b, t_len, -1)  # [B, T, V], as the model's lm_head returns it
-    logits = logits / temperature  # a second [B, T, V]
-    target_logit = logits.gather(-1, inp["targets"].view(b, t_len, 1)).squeeze(-1)  # [B, T]
-    lse = torch.stack([torch.logsumexp(seq, dim=-1) for seq in logits])  # [B, T], one sequence at a time
-    logp = (target_logit - lse).reshape(-1)  # [N]
-    per_token, _, _ = TokenObjective(advantages=inp["advantages"]).token_loss(logp, inp["token_weights"] != 0)
-    torch.autograd.grad((inp["token_weights"] * per_token).sum(), (inp["hidden"], inp["weight"]))
+    h3 = inp["hidden"].detach().view(b, t_len, -1)
+    # GRPOTrainer's labels are the input ids shifted by one: position t's hidden state predicts label t + 1. One
+    # extra position per sequence (the last, which predicts nothing) keeps all N rows scored; made once, untimed.
+    hidden = torch.cat([h3, h3[:, -1:]], dim=1).requires_grad_()  # [B, T+1, H]
+    labels = torch.full((b, t_len + 1), -100, dtype=torch.long, device=h3.device)  # [B, T+1]
+    labels[:, 1:] = inp["targets"].view(b, t_len).masked_fill(inp["token_weights"].view(b, t_len) == 0, -100)
+    model = _HiddenStatesLM(hidden, inp["weight"])
+    add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs", "entropy"))
+    bf16 = hidden.device.type == "cuda" and hidden.dtype == torch.bfloat16
+    objective = TokenObjective(advantages=inp["advantages"])
+
+    def loss_fn():
+        with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=bf16):  # accelerator.autocast()
+            out = model(labels=labels, fused_lm_head=True)
+        logp = out.log_probs.reshape(-1)  # [N]
+        per_token, _, _ = objective.token_loss(logp, inp["token_weights"] != 0)
+        return (inp["token_weights"] * per_token).sum()
+
+    return loss_fn, (hidden, inp["weight"])
+
+
+def _make_trl(inp):
+    loss_fn, leaves = trl_loss(inp)
+    return lambda _inp: torch.autograd.grad(loss_fn(), leaves)
 
 
 def _floor(inp):
@@ -170,7 +215,7 @@ METHODS = {
     "liger": _make_liger,
     "liger_triton": _make_liger_triton,
     "floor": lambda inp: _floor,
-    "trl": lambda inp: _trl,
+    "trl": _make_trl,
     "ours_logprobs": lambda inp: _ours_logprobs,
 }
 CPU_METHODS = ("floor", "ours", "naive", "trl", "liger", "ours_logprobs")
@@ -290,12 +335,25 @@ def _write_csv(path: Path, header: str, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+def _shape_arg(text: str) -> Shape:
+    """``--shape N,H,V`` -> a Shape labelled with its H."""
+    try:
+        n, h, v = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape wants N,H,V (three integers), got {text!r}") from None
+    if min(n, h, v) < 1:
+        raise argparse.ArgumentTypeError(f"--shape: N, H and V must be >= 1, got {text!r}")
+    return Shape(n=n, h=h, v=v, label=f"H={h}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes; runs on CPU")
     parser.add_argument("--cpu", action="store_true", help="CPU mode: float32, alternated rounds, memory per method")
     parser.add_argument("--cpu-shapes", default=",".join(CPU_SHAPES), help="CPU mode: subset of " + ",".join(CPU_SHAPES))
     parser.add_argument("--out", type=Path, help="CSV output path")
+    parser.add_argument("--shape", action="append", type=_shape_arg, metavar="N,H,V",
+                        help="GPU mode: run this shape instead of the full grid (repeatable)")
     parser.add_argument("--methods", default=None,
                         help=f"comma-separated subset of {','.join(METHODS)} (default: all; --cpu: {','.join(CPU_METHODS)})")
     parser.add_argument("--zero-weight-frac", type=float, default=0.0, help="fraction of tokens with weight 0")
@@ -319,7 +377,7 @@ def main(argv=None) -> int:
         return _main_cpu(args, methods, parser)
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
-    shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+    shapes = args.shape or (QUICK_SHAPES if args.quick else FULL_SHAPES)
     dev_name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
     header = (f"device: {dev_name}; torch {torch.__version__}; dtype {dtype}; "
               f"date {datetime.datetime.now().isoformat(timespec='seconds')}; "

@@ -6,7 +6,10 @@
 Both engines get the same pre-tokenized prompts and sampling settings; tokens/s counts generated tokens
 (EOS included) over the wall time of one generate() call after one warm-up call. Weight sync streams the
 policy's parameters (``iter_full_tensors``) into the engine; seconds per GB is wall time / bytes sent.
-Prints a markdown table and writes it, with a CSV, under --out.
+Multi-turn rows (``--turns``, default 3): the same prompts rolled out as conversations of ``--turns`` model turns
+(``max_tokens // turns`` tokens each) with a short user message after each, through the multi-turn driver that
+training uses (fastgrpo.environments.trajectory), one generate() call per turn on the conversation so far; tokens/s
+counts the model's tokens. Prints a markdown table and writes it, with a CSV, under --out.
 
     python benchmarks/bench_rollout.py --hf-vs-generate [--shape qwen2.5-0.5b] --rounds 3
 
@@ -43,7 +46,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastgrpo.rollout.base import SamplingParams  # noqa: E402
+from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingParams  # noqa: E402
 from fastgrpo.policy_state import iter_full_tensors  # noqa: E402
 
 
@@ -91,6 +94,61 @@ def timed_generate(engine, prompts, n, sampling) -> tuple[float, int]:
     out = engine.generate(prompts, n, sampling)
     seconds = time.perf_counter() - start
     return seconds, sum(len(c.token_ids) for row in out for c in row)
+
+
+class TurnCap(RolloutEngine):
+    """A rollout engine whose model turns end after ``k`` sampled tokens, as if the model had stopped there: a random
+    model rarely samples EOS, and a turn that hits the length limit ends its trajectory. Its tokens and log-probs are
+    the wrapped engine's own samples (tests/test_multiturn.py uses it too)."""
+
+    def __init__(self, engine: RolloutEngine, k: int) -> None:
+        self.engine, self.k = engine, k
+
+    def sync_from(self, model) -> bool:
+        return self.engine.sync_from(model)
+
+    def update_weights(self, named_tensors) -> None:
+        self.engine.update_weights(named_tensors)
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def generate(self, prompts, n, sampling):
+        params = SamplingParams(**{**vars(sampling), "max_tokens": min(self.k, sampling.max_tokens)})
+        cut = params.max_tokens < sampling.max_tokens
+        return [[Completion(token_ids=c.token_ids, text=c.text, logprobs=c.logprobs,
+                            finish_reason="stop" if cut else c.finish_reason) for c in g]
+                for g in self.engine.generate(prompts, n, params)]
+
+
+def multi_turn_generate(engine, tokenizer, prompts, n, sampling, turns: int) -> tuple[float, int, int]:
+    """One multi-turn rollout (fastgrpo.environments.trajectory.run_trajectories) of ``turns`` model turns of
+    ``sampling.max_tokens // turns`` tokens each, a short user message between them, after one warm-up; returns
+    (seconds, model tokens, all tokens after the prompts)."""
+    from fastgrpo.environments import Environment
+    from fastgrpo.environments.trajectory import ObservationRenderer, run_trajectories
+
+    class Ack(Environment):
+        def step(self, text):
+            return "ok, go on", None, False
+
+    render = ObservationRenderer(tokenizer)
+    per_turn = max(1, sampling.max_tokens // turns)
+    env_tokens = len(render([{"role": "user", "content": "ok, go on"}]))
+    budget = SamplingParams(**{**vars(sampling), "max_tokens": turns * (per_turn + env_tokens)})
+
+    def once(ps):
+        return run_trajectories(TurnCap(engine, per_turn), [Ack() for _ in range(len(ps) * n)], ps, group_size=n,
+                                sampling=budget, max_turns=turns, render=render, tokenizer=tokenizer)
+
+    once(prompts[:2])  # warm-up
+    start = time.perf_counter()
+    trajs = once(prompts)
+    seconds = time.perf_counter() - start
+    return seconds, sum(sum(t.model_mask) for t in trajs), sum(len(t.ids) for t in trajs)
 
 
 def alternated(fns: dict, base: str, rounds: int, what: str = "decode loop") -> tuple[str, dict[str, list[float]]]:
@@ -198,6 +256,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--turns", type=int, default=3,
+                    help="multi-turn rows: model turns of max_tokens // turns tokens each (0: no such rows)")
     ap.add_argument("--out", default="benchmarks/out")
     ap.add_argument("--hf-vs-generate", action="store_true", help="HFEngine vs transformers' generate (no vLLM)")
     ap.add_argument("--no-eos", action="store_true",
@@ -253,16 +313,21 @@ def main() -> None:
         return
 
     rows = []
-    vllm_engine = VLLMEngine(path, dtype=dtype_name, max_model_len=args.prompt_len + args.max_tokens,
+    # multi-turn: the user messages between turns add tokens to the context (a few dozen per turn)
+    vllm_engine = VLLMEngine(path, dtype=dtype_name, max_model_len=args.prompt_len + args.max_tokens + 64 * args.turns,
                              gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=0)
-    seconds, tokens = timed_generate(vllm_engine, prompts, args.n, sampling)
-    rows.append({"what": "generate", "engine": "vllm", "tokens": tokens, "seconds": seconds,
-                 "tokens_per_s": tokens / seconds})
+    engines = {"vllm": vllm_engine}
     if not args.skip_hf:
-        hf = HFEngine(model, tokenizer, batch_size=args.hf_batch_size)
-        seconds, tokens = timed_generate(hf, prompts, args.n, sampling)
-        rows.append({"what": "generate", "engine": "hf", "tokens": tokens, "seconds": seconds,
+        engines["hf"] = HFEngine(model, tokenizer, batch_size=args.hf_batch_size)
+    for name, engine in engines.items():
+        seconds, tokens = timed_generate(engine, prompts, args.n, sampling)
+        rows.append({"what": "generate", "engine": name, "tokens": tokens, "seconds": seconds,
                      "tokens_per_s": tokens / seconds})
+    for name, engine in engines.items() if args.turns > 0 else ():
+        # tokens/s counts the model's tokens; the tool/user tokens between turns are prefilled, not sampled
+        seconds, tokens, all_tokens = multi_turn_generate(engine, tokenizer, prompts, args.n, sampling, args.turns)
+        rows.append({"what": f"multi_turn_generate ({args.turns} turns, {all_tokens} tokens with the user's)",
+                     "engine": name, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds})
     for _ in range(args.sync_repeats):
         vllm_engine.update_weights(iter_full_tensors(model))
         gb = vllm_engine.last_sync_bytes / 1e9

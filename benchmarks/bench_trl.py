@@ -470,6 +470,19 @@ def parse_args(argv):
                          "(fastgrpo: policy_update; TRL: its micro-batch training steps, generation excluded); "
                          "writes OUT-profile-WORK-SIDE.txt")
     ap.add_argument("--out", default="benchmarks/results/bench_trl", help="writes OUT.json and OUT.md")
+    up = ap.add_argument_group("--update-only: TRL's policy update against grpo_update on one fixed rollout batch "
+                               "(benchmarks/trl_update.py; --repeats, --trl-micro-batch, --budget-s, --seed, --workdir "
+                               "and --out apply too)")
+    up.add_argument("--update-only", action="store_true", help="no generation: the update alone (trl_update.py)")
+    up.add_argument("--shape", default="108m", help="random-weight model shape, a key of peer_work.SHAPES")
+    up.add_argument("--sequences", type=int, default=64, help="S sequences in the rollout batch")
+    up.add_argument("--generations", type=int, default=8, help="G sequences per prompt (prompt lengths repeat)")
+    up.add_argument("--loss-type", default="dapo", help="the loss type of both sides (TRL's default: dapo)")
+    up.add_argument("--completion-mean", type=float, default=300.0, help="mean completion length (lognormal)")
+    up.add_argument("--completion-cap", type=int, default=1024, help="longest completion")
+    up.add_argument("--microbatch-tokens", type=int, default=None,
+                    help="fastgrpo's grpo.max_tokens_per_microbatch (default: the trainer's for the device)")
+    up.add_argument("--no-control", action="store_true", help="skip the one-length control batch")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -519,10 +532,16 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_trl: TRL is not installed in this environment; run `make bench-env` and use "
               ".venv-bench/bin/python (TRL is never a dependency of fastgrpo itself)", file=sys.stderr)
         return 2
+    root = Path(args.workdir or Path(os.environ.get("FASTGRPO_CACHE", Path.home() / ".cache" / "fastgrpo")) / "bench-trl")
+    if args.update_only:
+        from benchmarks.trl_update import run as run_update_only
+
+        run_update_only(args, "python benchmarks/bench_trl.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                        root, say=lambda msg: print(msg, file=sys.stderr, flush=True))
+        return 0
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    root = Path(args.workdir or Path(os.environ.get("FASTGRPO_CACHE", Path.home() / ".cache" / "fastgrpo")) / "bench-trl")
     works = {n: WORKS[n] for n in args.works.split(",") if n}
     if args.model_path:
         works["local"] = Work(model=args.model_path, prompts_per_step=2, max_completion_length=128)

@@ -134,10 +134,11 @@ def kernel_specs(bf16_only: bool = False):
         for has_rows in (False, True):
             specs.append((tr._fwd_kernel, {"h_ptr": dt, "w_ptr": dt, "tgt_ptr": "*i64", "rows_ptr": "*i32",
                                            "n_active_ptr": "*i32"},
-                          dict(base, HAS_ROWS=has_rows, **mvk), launch, f"{label} rows={has_rows}", False))
+                          dict(base, HAS_ROWS=has_rows, HAS_BIAS=False, **mvk), launch, f"{label} rows={has_rows}",
+                          False))
         specs.append((tr._dlogits_kernel, {"h_ptr": dt, "w_ptr": dt, "tgt_ptr": "*i64", "rows_ptr": "*i32",
                                            "n_active_ptr": "*i32", "dx_ptr": dt},
-                      dict(base, HAS_ENT=True, **mvk), launch, f"{label} entropy", False))
+                      dict(base, HAS_ENT=True, HAS_BIAS=False, **mvk), launch, f"{label} entropy", False))
         for split in (False, True):
             specs.append((tr._dhidden_kernel, {"dx_ptr": dt, "w_ptr": dt, "rows_ptr": "*i32", "n_active_ptr": "*i32",
                                                "dh_ptr": dt, "part_ptr": "*fp32"},

@@ -191,6 +191,10 @@ def summary(work: Path) -> str:
     if trl:
         out += ["", "## fastgrpo vs TRL (bench_trl.py; start-up and warm-up are outside the ratios)", "",
                 f"`{trl.get('command', '')}`", ""] + [trl_markdown(w) for w in trl.get("works", [])]
+    update_md = work / "bench_trl_update.md"  # the update alone (bench_trl.py --update-only), as it printed it
+    if update_md.is_file():
+        out += ["", "## The update alone: TRL padded vs fastgrpo packed (bench_trl.py --update-only)", "",
+                update_md.read_text(errors="replace").strip()]
     if decode_text and parse_decode(decode_text):
         lines = decode_text.splitlines()
         out += ["", "## Decode (bench_rollout.py --hf-vs-generate)", "",

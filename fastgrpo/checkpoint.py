@@ -4,7 +4,8 @@ Layout of a run folder::
 
     runs/<name>/checkpoints/step_000010/      a complete checkpoint (only complete ones carry this name)
         model_optim/                          DCP: model + optimizer, sharded, reshardable on load
-        trainer_state.pt                      step, scheduler, data sampler (rank 0)
+        critic_model_optim/                   PPO: the critic and its optimizer, the same way (one per extra model)
+        trainer_state.pt                      step, schedulers, data sampler (rank 0)
         rng_rank{r}.pt                        each rank's RNG state
     runs/<name>/checkpoints/.tmp_step_000010/ a save in progress; never read, removed on the next save
     runs/<name>/final/                        Hugging Face export (safetensors, config, tokenizer); with LoRA a
@@ -108,15 +109,21 @@ def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
     return model_sd, optim_sd
 
 
+Extra = tuple[torch.nn.Module, torch.optim.Optimizer, Any]
+"""A further model saved and restored with the policy (PPO's critic): (model, optimizer, LR scheduler)."""
+
+
 def save_checkpoint(ckpt_dir: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], keep_last: int) -> Path:
+                    trainer_state: dict[str, Any], keep_last: int, extras: dict[str, Extra] | None = None) -> Path:
     """Save atomically as ``ckpt_dir/step_{step}``; keep the newest ``keep_last``. Collective: call on every rank.
 
+    ``extras``: name -> (model, optimizer, scheduler) of further models, each in its own ``<name>_model_optim``
+    folder (its scheduler in the trainer state), inside the same atomic rename.
     A full disk is a DiskFullError (the half-written save is removed; earlier checkpoints are intact).
     """
     try:
         return _save_checkpoint(ckpt_dir, step, model=model, optimizer=optimizer, trainer_state=trainer_state,
-                                keep_last=keep_last)
+                                keep_last=keep_last, extras=extras or {})
     except Exception as e:
         if not is_disk_full(e):
             raise
@@ -127,7 +134,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model: torch.nn.Module, optimi
 
 
 def _save_checkpoint(ckpt_dir: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     trainer_state: dict[str, Any], keep_last: int) -> Path:
+                     trainer_state: dict[str, Any], keep_last: int, extras: dict[str, Extra]) -> Path:
     final = ckpt_dir / f"step_{step:06d}"
     tmp = ckpt_dir / f".tmp_step_{step:06d}"
     if _rank() == 0:
@@ -138,9 +145,14 @@ def _save_checkpoint(ckpt_dir: Path, step: int, *, model: torch.nn.Module, optim
     _barrier()
     model_sd, optim_sd = _state_dicts(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "model_optim"))
+    for name, (m, opt, _) in extras.items():
+        m_sd, o_sd = _state_dicts(m, opt)
+        dcp.save({"model": m_sd, "optim": o_sd}, checkpoint_id=str(tmp / f"{name}_model_optim"))
     torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
     if _rank() == 0:
-        torch.save(trainer_state, tmp / "trainer_state.pt")
+        schedulers = {name: sched.state_dict() for name, (_, _, sched) in extras.items()}
+        torch.save({**trainer_state, **({"extra_schedulers": schedulers} if extras else {})},
+                   tmp / "trainer_state.pt")
     _barrier()
     if _rank() == 0:
         for f in tmp.rglob("*"):
@@ -193,11 +205,11 @@ def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:
     return path
 
 
-def check_same_model(path: Path, model_sd: dict[str, Any]) -> None:
+def check_same_model(path: Path, model_sd: dict[str, Any], folder: str = "model_optim") -> None:
     """ValueError naming the first difference when the checkpoint at ``path`` holds another model's weights
-    (another size or architecture): read from DCP's metadata, before any tensor is loaded."""
+    (another size or architecture): read from DCP's metadata (of its ``folder``), before any tensor is loaded."""
     saved = {k[len("model."):]: getattr(v, "size", None)
-             for k, v in dcp.FileSystemReader(str(path / "model_optim")).read_metadata().state_dict_metadata.items()
+             for k, v in dcp.FileSystemReader(str(path / folder)).read_metadata().state_dict_metadata.items()
              if k.startswith("model.")}
     here = {k: tuple(v.shape) for k, v in model_sd.items()}
     hint = "; resume it with the model it was trained from, or use another run name"
@@ -212,18 +224,32 @@ def check_same_model(path: Path, model_sd: dict[str, Any]) -> None:
         raise ValueError(f"checkpoint {path} holds another model: it has {extra[0]!r}, which this model lacks{hint}")
 
 
-def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG in place; return the trainer state (step, scheduler, data)."""
+def _load_model_optim(path: Path, folder: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     model_sd, optim_sd = _state_dicts(model, optimizer)
-    check_same_model(path, model_sd)
+    check_same_model(path, model_sd, folder)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path / "model_optim"))
+    dcp.load(state, checkpoint_id=str(path / folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_options(model, strict=not is_lora(model)))
+
+
+def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    extras: dict[str, Extra] | None = None) -> dict[str, Any]:
+    """Restore model, optimizer, the ``extras`` (as saved by :func:`save_checkpoint`: models, optimizers and
+    schedulers) and this rank's RNG in place; return the trainer state (step, scheduler, data)."""
+    trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)
+    for name in extras or {}:
+        if not (path / f"{name}_model_optim").is_dir() or name not in trainer_state.get("extra_schedulers", {}):
+            raise ValueError(f"checkpoint {path} has no {name} (it was saved by a run without one); resume it with "
+                             "the config it was trained with, or use another run name")
+    _load_model_optim(path, "model_optim", model, optimizer)
+    for name, (m, opt, sched) in (extras or {}).items():
+        _load_model_optim(path, f"{name}_model_optim", m, opt)
+        sched.load_state_dict(trainer_state["extra_schedulers"][name])
     rng_file = path / f"rng_rank{_rank()}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
-    return torch.load(path / "trainer_state.pt", weights_only=False)
+    return trainer_state
 
 
 def export_hf(out_dir: Path, *, model: torch.nn.Module, tokenizer: Any) -> Path | None:

@@ -45,6 +45,9 @@ class Episodes:
     """SIGTERM cut the reward calls short: these episodes must not train the policy."""
     adv: AdvantageResult
     """Advantages [S] and group statistics."""
+    model_masks: list[list[int]] | None = None
+    """[S][L_s] multi-turn rollouts: 1 for a token the model sampled, 0 for an environment token (attended in the
+    update, weight 0); None = every completion token is the model's."""
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -76,20 +79,35 @@ def collect_episodes(engine: RolloutEngine, rows: list[dict[str, Any]], prompt_t
     comps = [c for g in groups for c in g]  # [S]
     if any(len(c.token_ids) == 0 for c in comps):
         raise RuntimeError("rollout engine returned an empty completion; every completion needs >= 1 token")
-    s_prompt_texts = [p for p in prompt_texts for _ in range(group_size)]
-    s_prompt_ids = [p for p in prompt_ids for _ in range(group_size)]
-    completion_ids = [list(c.token_ids) for c in comps]
-    texts = [c.text for c in comps]
-    scores = rewards(texts, reward_columns(rows, group_size, prompt_texts, completion_ids, prompt_column))
-    adv = compute_advantages(scores.total, group_size, scale=scale_rewards, all_reduce=all_reduce)
     sampler_lp = None
     if all(c.logprobs is not None for c in comps):
         sampler_lp = torch.tensor([lp for c in comps for lp in c.logprobs], dtype=torch.float32)
+    return score_episodes(rows, prompt_texts, prompt_ids, group_size=group_size,
+                          completion_ids=[list(c.token_ids) for c in comps], completion_texts=[c.text for c in comps],
+                          finish_reasons=[c.finish_reason for c in comps], sampler_logprobs=sampler_lp,
+                          rewards=rewards, scale_rewards=scale_rewards, all_reduce=all_reduce,
+                          prompt_column=prompt_column)
+
+
+def score_episodes(rows: list[dict[str, Any]], prompt_texts: list[str], prompt_ids: list[list[int]], *,
+                   group_size: int, completion_ids: list[list[int]], completion_texts: list[str],
+                   finish_reasons: list[str], sampler_logprobs: torch.Tensor | None, rewards: RewardRunner,
+                   scale_rewards: str, all_reduce: Callable | None = None, prompt_column: str = "prompt",
+                   completions: list[Any] | None = None, extra_columns: dict[str, list[Any]] | None = None,
+                   model_masks: list[list[int]] | None = None) -> Episodes:
+    """Score S = B*G sampled sequences and compute group advantages. ``completions``: what the reward functions
+    get as ``completions`` (default: the texts; multi-turn rollouts give message lists); ``extra_columns``: more
+    reward keyword arguments, one entry per sequence; ``model_masks`` as :attr:`Episodes.model_masks`."""
+    s_prompt_texts = [p for p in prompt_texts for _ in range(group_size)]
+    s_prompt_ids = [p for p in prompt_ids for _ in range(group_size)]
+    columns = reward_columns(rows, group_size, prompt_texts, completion_ids, prompt_column)
+    scores = rewards(completion_texts if completions is None else completions, {**columns, **(extra_columns or {})})
+    adv = compute_advantages(scores.total, group_size, scale=scale_rewards, all_reduce=all_reduce)
     return Episodes(
         prompt_texts=s_prompt_texts, prompt_ids=s_prompt_ids, completion_ids=completion_ids,
-        completion_texts=texts, finish_reasons=[c.finish_reason for c in comps], sampler_logprobs=sampler_lp,
+        completion_texts=completion_texts, finish_reasons=finish_reasons, sampler_logprobs=sampler_logprobs,
         reward_names=list(rewards.names), rewards_per_func=scores.per_func, rewards=scores.total,
-        reward_errors=scores.errors, interrupted=scores.interrupted, adv=adv,
+        reward_errors=scores.errors, interrupted=scores.interrupted, adv=adv, model_masks=model_masks,
     )
 
 

@@ -114,18 +114,23 @@ class TrainingLoop:
         """ValueError naming the first row whose sequence does not fit the model's ``limit`` positions."""
         raise NotImplementedError
 
-    def _init_model(self, total_updates: int) -> None:
-        """The policy (loaded, parallelized), AdamW, the LR schedule over ``total_updates``; then resume."""
+    def master_dtype(self) -> torch.dtype | None:
+        """The dtype the trained models load in: None (model.dtype's) or float32 masters."""
         cfg = self.cfg
         # On CUDA, 'auto' loads float32 master weights, and FSDP2 (several ranks) or autocast (one plain GPU)
         # computes in parallel.param_dtype: AdamW updates of lr ~ 1e-6 vanish in bfloat16 weights (8 bits of
         # mantissa). A LoRA base is frozen: it needs no masters and loads in bfloat16 on one plain GPU.
-        master_dtype = None
         if cfg.model.dtype == "auto" and self.device.type == "cuda":
             if uses_fsdp(cfg.parallel, self.device, self.world_size):
-                master_dtype = torch.float32
-            elif not cfg.model.lora.enabled and autocast_dtype(cfg.parallel, self.device, self.world_size):
-                master_dtype = torch.float32
+                return torch.float32
+            if not cfg.model.lora.enabled and autocast_dtype(cfg.parallel, self.device, self.world_size):
+                return torch.float32
+        return None
+
+    def _init_model(self, total_updates: int) -> None:
+        """The policy (loaded, parallelized), AdamW, the LR schedule over ``total_updates``; then resume."""
+        cfg = self.cfg
+        master_dtype = self.master_dtype()
         if cfg.model.lora.enabled:
             check_peft_available()  # before the model loads
         # Sequences longer than the model's positions train on untrained embeddings (transformers only warns), or
@@ -158,7 +163,8 @@ class TrainingLoop:
         path = ckpt.resolve_resume(self.cfg.checkpoint.resume, self.run_dir / "checkpoints")
         if path is None:
             return
-        state = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        state = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer,
+                                     extras=self.checkpoint_extras())
         self.scheduler.load_state_dict(state["scheduler"])
         sampler_state = dict(state["sampler"])
         if sampler_state["world_size"] != self.world_size:
@@ -175,7 +181,13 @@ class TrainingLoop:
     def _save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict()}
         ckpt.save_checkpoint(self.run_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
-                             trainer_state=state, keep_last=self.cfg.checkpoint.keep_last)
+                             trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
+                             extras=self.checkpoint_extras())
+
+    def checkpoint_extras(self) -> dict[str, ckpt.Extra]:
+        """Models checkpointed and resumed beside the policy, name -> (model, optimizer, scheduler): PPO's critic.
+        They must exist before :meth:`_init_model` resumes."""
+        return {}
 
     def _fault_point(self) -> None:
         """The kill-and-resume tests' hook: SIGKILL in the middle of step ``$FASTGRPO_FAULT_KILL_AT_STEP``."""

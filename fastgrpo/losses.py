@@ -5,11 +5,17 @@ max_completion_length, N completion tokens held by this rank (flat layout: seque
 
 The fused kernel computes ``sum_n w_n * l_n`` (fastgrpo.kernels.linear_grpo_loss). Every loss type is therefore one
 small function that returns w, decided once per step over the global batch, so the gradient does not depend on the
-micro-batch budget or the world size:
+micro-batch budget or the world size, plus the kernel's per-token policy term ``l`` (``policy_loss``), both given
+by one registration:
 
-    grpo     w_{i,t} = 1 / (S * L_i)        sequence mean, then batch mean (TRL "grpo")
-    dapo     w_{i,t} = 1 / sum_i L_i        token mean over the global batch (TRL "dapo"; alias "bnpo")
-    dr_grpo  w_{i,t} = 1 / (S * L_max)      constant normaliser (Dr. GRPO; easy-GRPO's 1/(B*L))
+    grpo     w_{i,t} = 1 / (S * L_i)        sequence mean, then batch mean (TRL "grpo")              clip
+    dapo     w_{i,t} = 1 / sum_i L_i        token mean over the global batch (TRL "dapo"; alias       clip
+                                            "bnpo": TRL's bnpo normalises per micro-batch instead)
+    dr_grpo  w_{i,t} = 1 / (S * L_max)      constant normaliser (Dr. GRPO; easy-GRPO's 1/(B*L))     clip
+    luspo    w_{i,t} = 1 / S                sequence sums, then batch mean (TRL "luspo", meant for   clip
+                                            importance_sampling_level 'sequence')
+    cispo    w_{i,t} = 1 / sum_i L_i        as dapo (TRL "cispo")                                     cispo
+    sapo     w_{i,t} = 1 / (S * L_i)        as grpo (TRL "sapo")                                      sapo
 
 With FSDP the per-rank gradients are *summed* (see parallelize.py), so these global weights give exactly the
 single-process gradient.
@@ -21,6 +27,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from fastgrpo.kernels.objective import POLICY_LOSSES
 
 
 @dataclass(frozen=True)
@@ -38,11 +46,21 @@ class GlobalCounts:
 # name -> fn(lengths [S_local] long, counts) -> per-sequence weight [S_local] float32 (broadcast over its tokens)
 LOSS_TYPES: dict[str, Callable[[torch.Tensor, GlobalCounts], torch.Tensor]] = {}
 
+POLICY_LOSS_OF: dict[str, str] = {}
+"""Loss type -> the kernel's per-token policy term (a key of ``fastgrpo.kernels.objective.POLICY_LOSSES``), filled
+by the same ``register_loss_type`` call as LOSS_TYPES."""
 
-def register_loss_type(*names: str):
+
+def register_loss_type(*names: str, policy_loss: str = "clip"):
+    """Register ``fn(lengths, counts) -> per-sequence weight`` under ``names``, each with the kernel's per-token
+    ``policy_loss`` term."""
+    if policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"policy_loss must be one of {sorted(POLICY_LOSSES)}, got {policy_loss!r}")
+
     def deco(fn):
         for n in names:
             LOSS_TYPES[n] = fn
+            POLICY_LOSS_OF[n] = policy_loss
         return fn
 
     return deco
@@ -62,6 +80,15 @@ def _dapo(lengths: torch.Tensor, c: GlobalCounts) -> torch.Tensor:
 def _dr_grpo(lengths: torch.Tensor, c: GlobalCounts) -> torch.Tensor:
     return torch.full(lengths.shape, 1.0 / (c.num_sequences * c.max_completion_length), dtype=torch.float32,
                       device=lengths.device)
+
+
+register_loss_type("cispo", policy_loss="cispo")(_dapo)
+register_loss_type("sapo", policy_loss="sapo")(_grpo)
+
+
+@register_loss_type("luspo")
+def _luspo(lengths: torch.Tensor, c: GlobalCounts) -> torch.Tensor:
+    return torch.full(lengths.shape, 1.0 / max(c.num_sequences, 1), dtype=torch.float32, device=lengths.device)
 
 
 SFT_NORMALIZATIONS: dict[str, Callable[[torch.Tensor, GlobalCounts], torch.Tensor]] = {
@@ -94,8 +121,8 @@ def truncated_importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: t
     The rollout engine samples with its own kernels (with vLLM, its own copy of the weights, often in another
     precision), so the behaviour policy is not exactly the one the trainer differentiates. Multiplied into the token
     weights, this corrects that bias while the cap bounds the variance (Yao et al., 2025). It is a constant: no
-    gradient flows through it. Unlike TRL, which weights only the policy-gradient term, it then also weights the
-    KL term (beta > 0): the fused loss takes one weight per token. With weights near 1 the difference is small.
+    gradient flows through it. As in TRL, it weights the policy-gradient term only (``grpo_update`` passes the KL
+    term its own weights).
     """
     if cap <= 0:
         raise ValueError(f"rollout.importance_sampling_cap: must be > 0, got {cap}")

@@ -37,7 +37,8 @@ def select_groups(ep: Episodes, groups: list[int], group_size: int) -> Episodes:
         ep, prompt_texts=[ep.prompt_texts[s] for s in seqs], prompt_ids=[ep.prompt_ids[s] for s in seqs],
         completion_ids=[ep.completion_ids[s] for s in seqs], completion_texts=[ep.completion_texts[s] for s in seqs],
         finish_reasons=[ep.finish_reasons[s] for s in seqs], sampler_logprobs=sampler_lp,
-        rewards_per_func=ep.rewards_per_func[pick], rewards=ep.rewards[pick])
+        rewards_per_func=ep.rewards_per_func[pick], rewards=ep.rewards[pick],
+        model_masks=None if ep.model_masks is None else [ep.model_masks[s] for s in seqs])
 
 
 def concat_episodes(eps: list[Episodes]) -> Episodes:
@@ -50,7 +51,8 @@ def concat_episodes(eps: list[Episodes]) -> Episodes:
         completion_texts=[x for e in eps for x in e.completion_texts],
         finish_reasons=[x for e in eps for x in e.finish_reasons],
         sampler_logprobs=torch.cat(lps) if all(lp is not None for lp in lps) else None,
-        rewards_per_func=torch.cat([e.rewards_per_func for e in eps]), rewards=torch.cat([e.rewards for e in eps]))
+        rewards_per_func=torch.cat([e.rewards_per_func for e in eps]), rewards=torch.cat([e.rewards for e in eps]),
+        model_masks=None if first.model_masks is None else [x for e in eps for x in e.model_masks])
 
 
 def round_size(missing: int, kept: int, asked: int, num_prompts: int) -> int:

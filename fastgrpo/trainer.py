@@ -14,16 +14,22 @@ from fastgrpo import distributed as fdist
 from fastgrpo import preflight
 from fastgrpo.advantages import self_imitation_mask
 from fastgrpo.config import TrainConfig
+from fastgrpo.critic import load_critic
 from fastgrpo.data import build_datasets, render_prompt
 from fastgrpo.data.sampler import PromptSampler
+from fastgrpo.environments import ENV_REWARDS_COLUMN, build_environment
+from fastgrpo.environments.trajectory import (ObservationRenderer, ToolsTemplate, TrajectoryEngine,
+                                              collect_trajectories)
 from fastgrpo.episodes import Episodes, collect_episodes, record_metrics
 from fastgrpo.evaluate import evaluate
+from fastgrpo.guard import NonFiniteGuard
 from fastgrpo.loop import build_scheduler  # noqa: F401 (public here too)
 from fastgrpo.loop import TrainingLoop, closes_on_error
 from fastgrpo.metrics import StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
-from fastgrpo.lora import AdapterDisabled
+from fastgrpo.lora import AdapterDisabled, trainable_parameters
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
-from fastgrpo.parallelize import parallelize_model
+from fastgrpo.parallelize import parallelize_model, uses_fsdp
+from fastgrpo.ppo import PPOBatch, ppo_update, total_updates
 from fastgrpo.rewards import RewardRunner, check_reward_columns
 from fastgrpo.rollout import EngineSetup, RolloutEngine, SamplingParams, build_engine
 from fastgrpo.sampling import dynamic_sample
@@ -48,9 +54,15 @@ class Trainer(TrainingLoop):
         self.rewards = RewardRunner.from_config(cfg.rewards, max_completion_length=cfg.rollout.max_completion_length)
         with preflight.nested_data(cfg.data.source):
             self.train_rows, self.eval_rows, self.data_info = build_datasets(cfg.data)
-        check_reward_columns(self.rewards.funcs, {k for r in self.train_rows for k in r} - {cfg.data.prompt_column},
-                             source=cfg.data.source)
+        columns = {k for r in self.train_rows for k in r} - {cfg.data.prompt_column}
+        if cfg.rollout.env.enabled:  # multi-turn: the environment's per-turn rewards are a column too
+            columns.add(ENV_REWARDS_COLUMN)
+        check_reward_columns(self.rewards.funcs, columns, source=cfg.data.source)
         self.rewards.wait_ready()
+        # multi-turn: the environment's tools are imported (in a worker first) before any model loads
+        if cfg.rollout.env.enabled and getattr(cfg, "algorithm", "grpo") != "grpo":
+            raise ValueError(f"rollout.env: multi-turn rollouts train with GRPO only, not algorithm={cfg.algorithm}")
+        self.env = build_environment(cfg.rollout.env) if cfg.rollout.env.enabled else None
         self.sampler = PromptSampler(len(self.train_rows), seed=cfg.data.seed, rank=self.rank,
                                      world_size=self.world_size)
         if self.is_main:
@@ -59,11 +71,17 @@ class Trainer(TrainingLoop):
         self._bounds: list[int] | None = None
 
         self.tokenizer = load_tokenizer(cfg.model, seed=cfg.seed)
-        self._init_model(total_updates=cfg.max_steps * cfg.grpo.num_iterations)
+        self.env_render = None if self.env is None else ObservationRenderer(self.tokenizer, self.env.tool_schemas)
+        self.critic = None
+        if cfg.algorithm == "ppo":  # before the policy: its resume restores the critic too
+            self._init_critic()
+        self._init_model(total_updates=total_updates(cfg.max_steps, cfg.ppo)[0] if self.critic is not None
+                         else cfg.max_steps * cfg.grpo.num_iterations)
         self.ref_model = None
-        if cfg.grpo.beta > 0 and cfg.model.lora.enabled:  # the base model: the same module, adapters off
+        needs_ref = cfg.grpo.beta > 0 or (cfg.algorithm == "ppo" and cfg.ppo.kl_coef > 0)
+        if needs_ref and cfg.model.lora.enabled:  # the base model: the same module, adapters off
             self.ref_model = AdapterDisabled(self.model)
-        elif cfg.grpo.beta > 0:  # the frozen reference, sharded the same way, forward only
+        elif needs_ref:  # the frozen reference, sharded the same way, forward only
             ref = load_model(cfg.model, device=self.device, seed=cfg.seed).eval().requires_grad_(False)
             self.ref_model = parallelize_model(ref, cfg.parallel, device=self.device, world_size=self.world_size)
 
@@ -78,11 +96,37 @@ class Trainer(TrainingLoop):
         self.engine = engine
         self.engine.sync_from(self.model)  # the policy may differ from the files the engine loaded (resume)
 
+    def _init_critic(self) -> None:
+        """PPO's critic (:func:`fastgrpo.critic.load_critic`), parallelized like the policy, with its own AdamW
+        (ppo.critic_lr; optim's betas, weight decay, warm-up and schedule) and non-finite guard."""
+        cfg, o = self.cfg, self.cfg.optim
+        critic = load_critic(cfg.model, init=cfg.ppo.critic_init, device=self.device, dtype=self.master_dtype(),
+                             seed=cfg.seed)
+        if cfg.model.lora.enabled and not uses_fsdp(cfg.parallel, self.device, self.world_size):
+            # the new value head trains in full: float32 like any master weight (a frozen bfloat16 base needs no
+            # masters, but lr ~ 1e-6 updates of a bfloat16 head would vanish); under FSDP2 the model is float32
+            # already, or all bfloat16 by model.dtype (FSDP2 shards one dtype per unit)
+            critic.get_output_embeddings().float()
+        self.critic = parallelize_model(critic, cfg.parallel, device=self.device, world_size=self.world_size)
+        self.critic_optimizer = torch.optim.AdamW(trainable_parameters(self.critic), lr=cfg.ppo.critic_lr,
+                                                  betas=tuple(o.betas), weight_decay=o.weight_decay, foreach=True)
+        self.critic_scheduler = build_scheduler(self.critic_optimizer, warmup_steps=o.warmup_steps,
+                                                total_steps=total_updates(cfg.max_steps, cfg.ppo)[1],
+                                                schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+        self.critic_guard = NonFiniteGuard(o.max_nonfinite_steps)
+
+    def checkpoint_extras(self) -> dict:
+        if self.critic is None:
+            return {}
+        return {"critic": (self.critic, self.critic_optimizer, self.critic_scheduler)}
+
     # ------------------------------------------------------------------------------------------------ phases
 
     def _render(self, row: dict) -> str:
+        tools = self.env.tool_schemas if self.env is not None else []  # the chat template shows the tools
         return render_prompt(row, template=self.cfg.data.template, system_prompt=self.cfg.data.system_prompt,
-                             tokenizer=self.tokenizer, task=row.get("task", "countdown"),
+                             tokenizer=ToolsTemplate(self.tokenizer, tools) if tools else self.tokenizer,
+                             task=row.get("task", "countdown"),
                              prompt_column=self.cfg.data.prompt_column)
 
     def _prompt_bounds(self) -> list[int]:
@@ -152,25 +196,49 @@ class Trainer(TrainingLoop):
         seed = (self.cfg.seed * 1_000_003 + self.step * 7919 + self.rank + round_index * 104_729) % (2**31)
         sampling = SamplingParams(max_tokens=r.max_completion_length, temperature=r.temperature, top_p=r.top_p,
                                   seed=seed, logprobs=r.importance_sampling_cap is not None)
+        if self.env is not None:  # multi-turn: the environment answers between the model's turns
+            return collect_trajectories(self.engine, self.env, rows, texts, ids, group_size=g.num_generations,
+                                        sampling=sampling, max_turns=r.max_turns, render=self.env_render,
+                                        rewards=self.rewards, scale_rewards=g.scale_rewards,
+                                        all_reduce=self._sum_over_ranks, prompt_column=self.cfg.data.prompt_column,
+                                        sync=self._max_over_ranks if self.world_size > 1 else None)
         return collect_episodes(self.engine, rows, texts, ids, group_size=g.num_generations, sampling=sampling,
                                 rewards=self.rewards,
                                 scale_rewards=g.scale_rewards, all_reduce=self._sum_over_ranks,
                                 prompt_column=self.cfg.data.prompt_column)
+
+    def _max_over_ranks(self, values: list[int]) -> list[int]:
+        """Elementwise maximum of a few ints over ranks (multi-turn rollouts keep the ranks' generate calls in step)."""
+        return fdist.all_reduce_(torch.tensor(values, dtype=torch.int64, device=self.device), "max").tolist()
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a (CPU) tensor over ranks, on this rank's device (NCCL reduces CUDA tensors only)."""
         return fdist.all_reduce_(t.to(self.device), "sum").to(t.device)
 
     def policy_update(self, ep: Episodes, metrics: StepMetrics) -> None:
-        """``grpo.num_iterations`` optimizer updates on this step's episodes (:func:`fastgrpo.update.grpo_update`)."""
+        """``grpo.num_iterations`` optimizer updates on this step's episodes (:func:`fastgrpo.update.grpo_update`);
+        with ``algorithm: ppo``, PPO's epochs of policy and critic updates (:func:`fastgrpo.ppo.ppo_update`)."""
         g = self.cfg.grpo
+        if self.critic is not None:
+            ppo_update(self.model, self.critic, PPOBatch(
+                prompt_ids=ep.prompt_ids, completion_ids=ep.completion_ids, rewards=ep.rewards,
+                sampler_logprobs=ep.sampler_logprobs), grpo=g, ppo=self.cfg.ppo, rollout=self.cfg.rollout,
+                optimizer=self.optimizer, scheduler=self.scheduler, critic_optimizer=self.critic_optimizer,
+                critic_scheduler=self.critic_scheduler, max_grad_norm=self.cfg.optim.max_grad_norm, metrics=metrics,
+                device=self.device, ref_model=self.ref_model, pad_token_id=self.tokenizer.pad_token_id or 0,
+                guard=self.guard, critic_guard=self.critic_guard,
+                train_policy=self.step >= self.cfg.ppo.critic_warmup_steps,
+                seed=(self.cfg.seed * 1_000_003 + self.step) % (2**31))
+            return
         batch = GRPOBatch(
             prompt_ids=ep.prompt_ids, completion_ids=ep.completion_ids, advantages=ep.adv.advantages,
             sampler_logprobs=ep.sampler_logprobs,
             sequence_mask=torch.tensor([f != "length" for f in ep.finish_reasons], dtype=torch.bool)
             if g.mask_truncated_completions else None,
             sil_mask=self_imitation_mask(ep.rewards, g.num_generations, g.sil_top_k, g.sil_min_reward)
-            if g.sil_top_k else None)
+            if g.sil_top_k else None,
+            model_mask=None if ep.model_masks is None else  # multi-turn: environment tokens get weight 0
+            torch.tensor([m for ms in ep.model_masks for m in ms], dtype=torch.bool))
         grpo_update(self.model, batch, grpo=self.cfg.grpo, rollout=self.cfg.rollout, optimizer=self.optimizer,
                     scheduler=self.scheduler, max_grad_norm=self.cfg.optim.max_grad_norm, metrics=metrics,
                     device=self.device, ref_model=self.ref_model, pad_token_id=self.tokenizer.pad_token_id or 0,
@@ -206,6 +274,11 @@ class Trainer(TrainingLoop):
 
     def _record(self, ep: Episodes, metrics: StepMetrics, rollout_s: float, update_s: float) -> dict[str, float]:
         record_metrics(ep, metrics)
+        for name, values in (self.env.take_counters() if self.env is not None else {}).items():
+            if name.endswith(("_rate", "_mean")):  # tool failure rate, turns per trajectory, ...
+                metrics.moments(torch.tensor(values), f"env/{name}")
+            else:  # counts: tool calls, failures by kind
+                metrics.total(f"env/{name}", torch.tensor(sum(values)))
         metrics.total("perf/rollout_tokens", ep.lengths.sum().float())
         metrics.host("time/rollout_s", rollout_s)
         metrics.host("time/update_s", update_s)
@@ -226,7 +299,7 @@ class Trainer(TrainingLoop):
     def close(self) -> None:
         """Release the reward workers, the rollout engine and the run folder (whatever a failed ``__init__`` got
         to). vLLM's teardown also ends torch.distributed's group: call this last."""
-        for part in (getattr(self, "rewards", None), getattr(self, "engine", None)):
+        for part in (getattr(self, "rewards", None), getattr(self, "env", None), getattr(self, "engine", None)):
             close = getattr(part, "close", None)
             if close is not None:
                 close()
@@ -247,10 +320,16 @@ class Trainer(TrainingLoop):
         # Evaluation runs between a weight sync and the next rollout, so the engine stays awake for that rollout
         # (sleeping here would, at sleep_level 2, discard the weights just synced).
         self.engine.wake()
-        res = evaluate(self.engine, [self.eval_rows[i] for i in idx], texts, ids, reward_fn=fn,
+        rows = [self.eval_rows[i] for i in idx]
+        engine = self.engine if self.env is None else TrajectoryEngine(  # multi-turn: whole trajectories
+            self.engine, self.env, self.env_render, rows=rows, max_turns=self.cfg.rollout.max_turns,
+            sync=self._max_over_ranks if self.world_size > 1 else None)
+        res = evaluate(engine, rows, texts, ids, reward_fn=fn,
                        best_of_n=e.best_of_n, temperature=e.temperature,
                        max_tokens=self.cfg.rollout.max_completion_length, seed=self.cfg.seed + self.step,
                        prompt_column=self.cfg.data.prompt_column)
+        if self.env is not None:
+            self.env.take_counters()  # the evaluation's tool calls are not the next step's
         names = sorted(res)
         vals = fdist.all_reduce_(torch.tensor([res[k] for k in names], device=self.device), "avg")
         return {f"eval/{k}": float(v) for k, v in zip(names, vals.tolist())}

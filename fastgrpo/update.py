@@ -34,7 +34,13 @@ from fastgrpo import distributed as fdist
 from fastgrpo.config import GRPOConfig, RolloutConfig
 from fastgrpo.guard import NonFiniteGuard
 from fastgrpo.kernels import linear_grpo_loss, linear_logprobs, resolve_backend
-from fastgrpo.losses import SFT_NORMALIZATIONS, GlobalCounts, token_weights, truncated_importance_weights
+from fastgrpo.losses import (
+    POLICY_LOSS_OF,
+    SFT_NORMALIZATIONS,
+    GlobalCounts,
+    token_weights,
+    truncated_importance_weights,
+)
 from fastgrpo.metrics import StepMetrics
 from fastgrpo.packing import MicroBatch, pack, plan_microbatches, split_to_count
 
@@ -128,7 +134,7 @@ def packed_logprobs(model: torch.nn.Module, mbs: list[MicroBatch], num_tokens: i
 def optimizer_update(model: torch.nn.Module, mbs: list[MicroBatch], head_loss: HeadLoss, *,
                      optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                      max_grad_norm: float, metrics: StepMetrics, loss_divisor: int = 1,
-                     guard: NonFiniteGuard | None = None) -> bool:
+                     guard: NonFiniteGuard | None = None, role: str = "policy") -> bool:
     """One optimizer update: gradients of ``sum over micro-batches of head_loss`` -> clip -> step.
 
     ``model`` has ``packed_forward`` (``parallelize_model``). Metrics: ``loss`` (the summed loss / loss_divisor: a
@@ -136,19 +142,21 @@ def optimizer_update(model: torch.nn.Module, mbs: list[MicroBatch], head_loss: H
     and ``lr`` (the rate this update used). ``max_grad_norm`` 0 disables clipping. The optimizer steps only on a
     finite gradient norm (:class:`fastgrpo.guard.NonFiniteGuard`, which counts the skipped updates); returns
     whether it stepped. The schedule advances either way, so a step's learning rate does not depend on skips.
+    Another ``role`` than 'policy' (PPO's 'critic') logs ``<role>/loss``, ``<role>/grad_norm`` and ``<role>/lr``.
     """
     optimizer.zero_grad(set_to_none=True)
     for mb in mbs:
         loss, stats = model.packed_forward(mb, partial(head_loss, mb))
         loss.backward()
         loss = loss.detach()
-        metrics.total("loss", loss if loss_divisor == 1 else loss / loss_divisor)
+        metrics.total("loss" if role == "policy" else f"{role}/loss",
+                      loss if loss_divisor == 1 else loss / loss_divisor)
         metrics.add_many(stats, float(mb.num_completion_tokens))  # one stack for all the head's statistics
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else 1e30)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
         grad_norm = grad_norm.full_tensor()
-    metrics.set("policy/grad_norm", grad_norm)
-    metrics.host("lr", optimizer.param_groups[0]["lr"])
+    metrics.set(f"{role}/grad_norm", grad_norm)
+    metrics.host("lr" if role == "policy" else f"{role}/lr", optimizer.param_groups[0]["lr"])
     stepped = (guard or NonFiniteGuard(max_in_a_row=1)).step(optimizer, grad_norm)
     if scheduler is not None:
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()" after a skipped first update
@@ -173,9 +181,13 @@ class GRPOBatch:
     """[S] bool: sequences that get loss (False: truncated ones under mask_truncated_completions); None = all."""
     sil_mask: torch.Tensor | None = None
     """[S] bool: completions to imitate (self-imitation adds grpo.sil_coef to their advantages); None = none."""
+    model_mask: torch.Tensor | None = None
+    """[N] bool, multi-turn: True at tokens the model sampled, False at environment tokens, which are attended but
+    get token weight 0 and are left out of the loss normaliser; None = all tokens are the model's."""
 
 
 _LOGGED_STATS = ("clip_low_frac", "clip_high_frac", "kl_mean")
+_OPTIONAL_STATS = ("cispo_clip_frac",)  # logged when the loss type's term reports it
 
 
 def sequence_numbers(mb: MicroBatch, lengths: torch.Tensor) -> torch.Tensor:
@@ -206,20 +218,28 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
     Token weights (``grpo.loss_type``) are normalised over the global batch (all ranks), so the summed gradient
     does not depend on the micro-batch budget or the world size. Old log-probs are computed once, before the first
     update, when mu > 1 or for the importance-sampling correction; reference log-probs when ``ref_model`` is given.
+    As in TRL, the entropy mask and the truncated importance weights scale the policy term only: the KL term keeps
+    the plain normaliser (``kl_token_weights``), and so do GSPO's sequence means, which count every token.
     """
     lens = [len(c) for c in batch.completion_ids]  # [S] host ints
     lengths = torch.tensor(lens, dtype=torch.long)  # [S]
     n_tok = sum(lens)  # N on this rank
+    model_mask = None if batch.model_mask is None else batch.model_mask.cpu().bool()  # [N]
+    # multi-turn: the loss types normalise by the model's tokens of each sequence (environment tokens get weight 0)
+    model_lens = lens if model_mask is None else [int(m.sum()) for m in model_mask.split(lens)]  # [S]
     keep = None if batch.sequence_mask is None else batch.sequence_mask.cpu()  # [S] bool
     # masked sequences leave the token normaliser (dapo), as in TRL
-    counted = n_tok if keep is None else sum(n for n, k in zip(lens, keep.tolist()) if k)
+    counted = sum(model_lens) if keep is None else sum(n for n, k in zip(model_lens, keep.tolist()) if k)
     plan = plan_step(batch.prompt_ids, batch.completion_ids,
                      microbatch_tokens(grpo.max_tokens_per_microbatch, device), device=device,
                      pad_token_id=pad_token_id, counted_tokens=counted)
     mbs = plan.mbs
     counts = GlobalCounts(num_sequences=plan.num_sequences, num_tokens=plan.num_tokens,
                           max_completion_length=rollout.max_completion_length)
-    weights = token_weights(grpo.loss_type, lengths, counts, num_tokens=n_tok)  # [N]
+    weights = token_weights(grpo.loss_type, torch.tensor(model_lens, dtype=torch.long), counts,
+                            num_tokens=sum(model_lens))  # [N] (model tokens only while model_mask is set)
+    if model_mask is not None:  # environment tokens: weight 0 (no loss, no KL, no gradient)
+        weights = torch.zeros(n_tok, dtype=weights.dtype).masked_scatter(model_mask, weights)  # [N]
     if keep is not None:
         weights = weights * torch.repeat_interleave(keep.float(), lengths, output_size=n_tok)  # [N]
     weights = weights.to(device)
@@ -231,13 +251,17 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
     # has not moved. Sequence level (GSPO) needs a recompute path: 'auto' then picks triton on CUDA.
     sequence_level = grpo.importance_sampling_level == "sequence"
     backend = resolve_backend(grpo.head_backend, device, needs_grad=True, sequence_level=sequence_level)
+    policy_loss = POLICY_LOSS_OF[grpo.loss_type]
     eps_low, eps_high = ((grpo.sequence_epsilon_low, grpo.sequence_epsilon_high) if sequence_level
                          else (grpo.epsilon_low, grpo.epsilon_high))
+    if policy_loss == "cispo":  # epsilon_high is cispo's truncation bound at either level (TRL's one eps_max)
+        eps_high = grpo.epsilon_high
     seq_numbers = {id(mb): sequence_numbers(mb, lengths).to(device) for mb in mbs} if sequence_level else {}
     logprobs = partial(packed_logprobs, mbs=mbs, num_tokens=n_tok, temperature=rollout.temperature, backend=backend)
 
     model.train()
     ref_lp = logprobs(ref_model) if ref_model is not None else None  # [N]
+    plain_weights = weights  # [N] the normaliser alone: the KL term's weights
     old_lp = None
     if grpo.top_entropy_quantile < 1.0:  # entropies before the update decide which tokens get loss
         current_lp, entropy = logprobs(model, with_entropy=True)  # [N], [N]
@@ -257,6 +281,11 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
         if grpo.num_iterations == 1:
             old_lp = None  # mu = 1: old = logp.detach(), exactly as without the correction
 
+    # The KL term (and GSPO's sequence means) need their own weights only where the policy's differ; with beta 0 at
+    # token level they would only add softmax work for masked rows.
+    kl_weights = (plain_weights if weights is not plain_weights and (grpo.beta != 0.0 or sequence_level)
+                  else None)  # [N] or None
+
     def head_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor):  # hidden [n, H], weight [V, H]
         i = mb.flat_index
         w = weights[i]  # [n]
@@ -265,10 +294,14 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
             old_logprobs=None if old_lp is None else old_lp[i], ref_logprobs=None if ref_lp is None else ref_lp[i],
             epsilon_low=eps_low, epsilon_high=eps_high, delta=grpo.delta, beta=grpo.beta,
             temperature=rollout.temperature, backend=backend, return_entropy=True,
-            sequence_index=seq_numbers.get(id(mb)))
+            sequence_index=seq_numbers.get(id(mb)), policy_loss=policy_loss,
+            sapo_temperature_pos=grpo.sapo_temperature_pos, sapo_temperature_neg=grpo.sapo_temperature_neg,
+            use_bias_correction_kl=grpo.use_bias_correction_kl,
+            kl_token_weights=None if kl_weights is None else kl_weights[i])
         counted = w != 0
         entropy = (stats["entropy"] * counted).sum() / counted.sum().clamp(min=1)  # over tokens that get loss
-        return loss, {**{f"policy/{k}": stats[k] for k in _LOGGED_STATS}, "policy/entropy": entropy}
+        logged = {f"policy/{k}": stats[k] for k in _LOGGED_STATS + _OPTIONAL_STATS if k in stats}
+        return loss, {**logged, "policy/entropy": entropy}
 
     for _ in range(grpo.num_iterations):
         optimizer_update(model, mbs, head_loss, optimizer=optimizer, scheduler=scheduler,
@@ -308,7 +341,9 @@ def sft_update(model: torch.nn.Module, prompt_ids: list[list[int]], completion_i
     mbs = plan.mbs
     weights = _sft_token_weights(completion_ids, normalization, num_sequences=plan.num_sequences,
                                  num_tokens=plan.num_tokens, device=device)  # [N], as sft_weights
-    backend = resolve_backend(head_backend, device, needs_grad=True)
+    # The gradient goes through linear_logprobs, which the gradient-in-forward cublas path does not differentiate
+    # (it forms the GRPO loss's gradient in forward): resolve as for log-probs, a recompute path on CUDA.
+    backend = resolve_backend(head_backend, device, needs_grad=False)
 
     def head_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor):  # hidden [n, H], weight [V, H]
         nll = -linear_logprobs(hidden, weight, mb.targets, backend=backend)  # [n]

@@ -61,6 +61,16 @@ WARM_RECIPES: dict[str, list[str]] = {
         "max_steps=300", "optim.lr=2e-3", "optim.schedule=cosine", "optim.warmup_steps=20",
         "eval.every=-1", "checkpoint.every=100", "log.report_to=[jsonl]",
     ],
+    # tiny:countdown-tools (configs/tiny-tools.yaml): the same model and problems, traces that call the calculator tool
+    # (sft.trace=tool: sometimes a miss first, then a solution, each with the tool's answer, then the equation)
+    "countdown-tools": [
+        "model.name_or_path=tiny:medium", "model.dtype=float32", "device=cpu", "seed=1",
+        *COUNTDOWN_DATA, "data.num_train=1800",
+        "sft.trace=tool", "sft.solution=random", "sft.batch_size=32", "sft.max_tokens_per_microbatch=2048",
+        "sft.normalization=token",
+        "max_steps=300", "optim.lr=2e-3", "optim.schedule=cosine", "optim.warmup_steps=20",
+        "eval.every=-1", "checkpoint.every=100", "log.report_to=[jsonl]",
+    ],
 }
 """Warm model name (``tiny:<name>``) -> ``fastgrpo.sft`` overrides of its recipe."""
 

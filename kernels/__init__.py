@@ -2,12 +2,17 @@
 
 Imports only torch (and Triton when available), so other trainers can vendor this folder.
 
-    linear_logprobs(hidden[N,H], weight[V,H], targets[N], *, temperature=1.0, return_entropy=False)
+    linear_logprobs(hidden[N,H], weight[V,H], targets[N], *, temperature=1.0, return_entropy=False, bias=None)
         -> logp[N] float32 (, entropy[N] float32)
     linear_grpo_loss(hidden, weight, targets, advantages[N], token_weights[N], *, old_logprobs=None,
                      ref_logprobs=None, epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
-                     temperature=1.0, sequence_index=None) -> (loss, stats)
-        (sequence_index [N]: GSPO's sequence-level ratio, on the torch and triton paths)
+                     temperature=1.0, sequence_index=None, policy_loss="clip", sapo_temperature_pos=1.0,
+                     sapo_temperature_neg=1.05, use_bias_correction_kl=False, kl_token_weights=None,
+                     bias=None) -> (loss, stats)
+        (sequence_index [N]: GSPO's sequence-level ratio, on the torch and triton paths; policy_loss: a key of
+        POLICY_LOSSES, "clip", "cispo" or "sapo"; bias [V]: an lm_head bias, on every path)
+    FusedLinearGRPOLoss(...)(_input[B,T,H], lin_weight, selected_token_ids[B,T], attention_mask[B,T], advantages[B],
+                             ...) -> (loss, metrics): Liger's LigerFusedLinearGRPOLoss, on padded batches (module.py)
 
 Layers, each knowing only the one below:
   ``objective.py``  ``TokenObjective``: the per-token GRPO loss as a function of the log-prob (the loss, its
@@ -27,15 +32,19 @@ Layers, each knowing only the one below:
 from .backends import BACKENDS, check_backend, resolve_backend
 from .grpo_loss import linear_grpo_loss
 from .logprobs import linear_logprobs
-from .objective import TokenObjective
+from .module import FusedLinearGRPOLoss, padded_grpo_loss
+from .objective import POLICY_LOSSES, TokenObjective
 from .reference import reference_linear_grpo_loss, reference_linear_logprobs
 
 __all__ = [
     "linear_logprobs",
     "linear_grpo_loss",
+    "FusedLinearGRPOLoss",
+    "padded_grpo_loss",
     "reference_linear_logprobs",
     "reference_linear_grpo_loss",
     "TokenObjective",
+    "POLICY_LOSSES",
     "BACKENDS",
     "check_backend",
     "resolve_backend",

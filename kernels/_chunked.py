@@ -91,13 +91,22 @@ def _select(mask: torch.Tensor | None, n: int, device) -> torch.Tensor:
     return mask.nonzero().squeeze(1)  # [K], host sync (see module docstring)
 
 
-def _logits2(x, h, w32, inv_temp):
+def _logits2(x, h, w32, inv_temp, b2=None):
     """Product 1 into ``x [c, V]``: the logits in base 2, ``z * log2(e)``. The scale is applied to ``h [c, H]``
-    (free), and base 2 makes every exponential an ``exp2``, half the cost of ``exp`` on a CPU."""
-    torch.mm(h * (inv_temp * _LOG2E), w32.T, out=x)
+    (free), and base 2 makes every exponential an ``exp2``, half the cost of ``exp`` on a CPU. ``b2 [V]``: the
+    bias in the same units (``_bias2``), or None."""
+    if b2 is None:
+        torch.mm(h * (inv_temp * _LOG2E), w32.T, out=x)
+    else:
+        torch.addmm(b2, h * (inv_temp * _LOG2E), w32.T, out=x)
 
 
-def _chunk_logprobs(x, h, w32, tgt, inv_temp):
+def _bias2(bias, inv_temp):
+    """``bias [V]`` as float32 base-2 logits (``_logits2``'s units), or None."""
+    return None if bias is None else bias.float() * (inv_temp * _LOG2E)
+
+
+def _chunk_logprobs(x, h, w32, tgt, inv_temp, b2=None):
     """Product 1 into ``x [c, V]``, then ``x <- exp(z - max z)`` in place. Returns ``(logp, lse, s)``: ``[c]``
     each, and ``s [c, 1]`` with ``softmax(z) = x / s``.
 
@@ -105,7 +114,7 @@ def _chunk_logprobs(x, h, w32, tgt, inv_temp):
     loses about 1e-5 relative over 150k entries; ``sum`` here adds pairwise, 1e-7), and cheaper: one exp2 per
     entry and five passes in all, the buffer written twice.
     """
-    _logits2(x, h, w32, inv_temp)  # z2 = z * log2(e)  [c, V]
+    _logits2(x, h, w32, inv_temp, b2)  # z2 = z * log2(e)  [c, V]
     z2_t = x.gather(1, tgt[:, None])  # [c, 1]
     m2 = x.amax(1, keepdim=True)  # [c, 1]
     x.sub_(m2).exp2_()  # e = exp(z - max z), in (0, 1]
@@ -136,20 +145,20 @@ def _chunks(rows: torch.Tensor, vocab: int, chunk_size: int | None):
 # --------------------------------------------------------------------------------- linear_logprobs (recompute)
 
 
-def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_size):
+def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_size, bias=None):
     """Returns ``(logp, entropy, lse, sum_pz)``, each ``[N]`` float32; rows outside ``active`` are 0.
 
     ``sum_pz[n] = sum_v p[v] * z[v] = lse - entropy``; backward needs it for the entropy gradient.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
-    w32 = weight.float()  # [V, H], no copy when already float32
+    w32, b2 = weight.float(), _bias2(bias, inv_temp)  # [V, H] (no copy when already float32), [V] or None
     f32 = dict(dtype=torch.float32, device=hidden.device)
     logp, entropy, lse, sum_pz = (torch.zeros(n, **f32) for _ in range(4))  # [N] each
     buf, chunks = _chunks(_select(active, n, hidden.device), vocab, chunk_size)
     for idx in chunks:  # idx: [c]
         x = buf[:idx.numel()]
         logp_c, lse_c, s = _chunk_logprobs(x, hidden.index_select(0, idx).float(), w32, targets[idx].long(),
-                                           inv_temp)
+                                           inv_temp, b2)
         logp[idx], lse[idx] = logp_c, lse_c
         if with_entropy:
             ent_c = _entropy(x, s)
@@ -159,9 +168,10 @@ def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_si
 
 
 def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_temp, chunk_size,
-             need_grad_hidden=True, need_grad_weight=True):
+             need_grad_hidden=True, need_grad_weight=True, bias=None, grad_bias=None):
     """Gradients w.r.t. ``hidden`` and ``weight`` given the upstream gradients of logp (and entropy); None for one
     not needed (a frozen head: no ``[V, H]`` gradient buffer and no product 3; a frozen trunk: no product 2).
+    ``grad_bias``: a float32 ``[V]`` buffer that ``d/d bias = sum over rows of dX`` is added into, or None.
 
     With ``z = x * inv_temp``, ``x = hidden @ weight.T`` and ``p = softmax(z)``:
       d logp / dz_v    = onehot_v - p_v
@@ -171,7 +181,7 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
     Rows whose upstream gradients are both zero are skipped.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
-    w32 = weight.float()  # [V, H]
+    w32, b2 = weight.float(), _bias2(bias, inv_temp)  # [V, H], [V] or None
     g = g_logp.float() * inv_temp  # [N]
     nonzero = g != 0
     if g_entropy is not None:
@@ -185,7 +195,7 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
         x = buf[:idx.numel()]
         h = hidden.index_select(0, idx).float()  # [c, H]
         tgt = targets[idx, None].long()
-        _logits2(x, h, w32, inv_temp)  # product 1 again: z2 [c, V]
+        _logits2(x, h, w32, inv_temp, b2)  # product 1 again: z2 [c, V]
         x.sub_(lse[idx, None] * _LOG2E)  # log2 p
         g_c = g[idx, None]  # [c, 1]
         if g_entropy is None:
@@ -201,6 +211,8 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
             grad_hidden.index_copy_(0, idx, x @ w32)  # product 2
         if need_grad_weight:
             grad_weight.addmm_(x.T, h)  # product 3
+        if grad_bias is not None:
+            grad_bias.add_(x.sum(0))
     return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype))
 
@@ -209,23 +221,25 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
 
 
 def loss_pass(hidden, weight, targets, token_weights, objective, *, inv_temp, need_grad_hidden, need_grad_weight,
-              chunk_size=None, with_entropy=True):
+              chunk_size=None, with_entropy=True, bias=None, grad_bias=None):
     """Forward of ``sum_n token_weights[n] * l_n`` with its gradients (three products; see the module docstring).
 
     Same contract as ``_gradfwd.loss_pass``: ``objective`` a row-local ``TokenObjective`` (``l_n``); returns
-    ``(logp, entropy, grad_hidden, grad_weight)``, ``[N]`` float32 each (0 on rows with token weight 0; entropy 0
-    unless ``with_entropy``), then the gradients in the inputs' dtypes (None where not needed).
+    ``(logp, entropy, grad_hidden, grad_weight)``, ``[N]`` float32 each (0 on rows outside
+    ``objective.active``; entropy 0 unless ``with_entropy``), then the gradients in the inputs' dtypes (None where
+    not needed). ``bias [V]`` is added to the logits; ``grad_bias``, a float32 ``[V]`` buffer or None, gets the
+    bias's gradient added into it.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    need_grad = need_grad_hidden or need_grad_weight
-    w32 = weight.float()  # [V, H]
+    need_grad = need_grad_hidden or need_grad_weight or grad_bias is not None
+    w32, b2 = weight.float(), _bias2(bias, inv_temp)  # [V, H], [V] or None
     f32 = dict(dtype=torch.float32, device=dev)
     logp, entropy = torch.zeros(n, **f32), torch.zeros(n, **f32)  # [N]
     grad_hidden = torch.zeros(hidden.shape, **f32) if need_grad_hidden else None  # [N, H]
     grad_w32 = None  # [V, H], created by the first product 3
-    counted = token_weights != 0  # [N]
-    moving = objective.moving(counted)  # rows with a possibly nonzero gradient
+    counted = objective.active(token_weights)  # [N] rows whose logp the loss needs
+    moving = objective.moving(token_weights)  # rows with a possibly nonzero gradient
     grad_rows = _select(moving, n, dev) if need_grad else torch.zeros(0, dtype=torch.long, device=dev)
     fwd_rows = _select(counted & ~moving if need_grad else counted, n, dev)
     # A g known before any product is formed by one call for all rows instead of one per chunk.
@@ -244,7 +258,7 @@ def loss_pass(hidden, weight, targets, token_weights, objective, *, inv_temp, ne
             sl, start = slice(start, start + c), start + c
             x, tgt = buf[:c], tgt_k[sl]
             h = hidden.index_select(0, idx).float()  # [c, H]
-            logp_c, _, s = _chunk_logprobs(x, h, w32, tgt.squeeze(1), inv_temp)  # x <- e = s * p
+            logp_c, _, s = _chunk_logprobs(x, h, w32, tgt.squeeze(1), inv_temp, b2)  # x <- e = s * p
             logp[idx] = logp_c
             if with_entropy:
                 entropy[idx] = _entropy(x, s)
@@ -260,6 +274,8 @@ def loss_pass(hidden, weight, targets, token_weights, objective, *, inv_temp, ne
                     grad_w32 = x.T @ h  # product 3
                 else:
                     grad_w32.addmm_(x.T, h)
+            if grad_bias is not None:
+                grad_bias.add_(x.sum(0))
         del buf
     if need_grad_weight and grad_w32 is None:
         grad_w32 = torch.zeros(weight.shape, **f32)

@@ -187,13 +187,15 @@ def _accumulate_grad_weight(grad_weight, dx, h, *, first: bool, acc32=None) -> N
 
 
 def loss_pass(hidden, weight, targets, token_weights, objective, *, inv_temp, need_grad_hidden, need_grad_weight,
-              chunk_size=None, with_entropy=True):
+              chunk_size=None, with_entropy=True, bias=None, grad_bias=None):
     """Forward of the loss with its gradients; no host sync. (The entropy comes with the row statistics at no
     cost, so ``with_entropy`` is accepted for ``_chunked.loss_pass``'s signature and ignored.)
 
     ``objective``: a row-local ``TokenObjective`` (``l_n``), or None when no gradient is asked (``logprobs_pass``).
     Returns ``(logp, entropy, grad_hidden, grad_weight)``: ``[N]`` float32 each (0 on rows with token weight 0),
-    then the gradients of ``sum_n token_weights[n] * l_n`` (in the inputs' dtypes; None where not needed).
+    then the gradients of ``objective.weighted_loss`` (in the inputs' dtypes; None where not needed). ``bias [V]``
+    is added to the logits in product 1 (``addmm``, one rounding, as ``nn.Linear``); ``grad_bias``, a float32
+    ``[V]`` buffer or None, gets the bias's gradient (the column sums of each chunk's ``dx``) added into it.
 
     Rows are visited in a device-side order that puts the selected ones (token weight != 0) first. Their count
     stays on the device, so the products run over all N rows, while the row kernels skip the unselected ones:
@@ -211,7 +213,8 @@ def loss_pass(hidden, weight, targets, token_weights, objective, *, inv_temp, ne
     if n == 0:
         return logp, entropy, grad_hidden, None if grad_weight is None else grad_weight.zero_()
 
-    order, n_active = _triton._compact(token_weights != 0, n, dev)  # [N] int32, selected rows first; [1]
+    active = token_weights != 0 if objective is None else objective.active(token_weights)  # [N]
+    order, n_active = _triton._compact(active, n, dev)  # [N] int32, selected rows first; [1]
     order = order.long()
     if chunk_size is None:
         chunk_size = max(1, _BUFFER_BYTES // (vocab * hidden.element_size()))
@@ -221,7 +224,7 @@ def loss_pass(hidden, weight, targets, token_weights, objective, *, inv_temp, ne
     buf = torch.empty((chunk, vocab), dtype=hidden.dtype, device=dev)  # [C, V]
     many = need_grad_weight and weight.dtype != torch.float32 and -(-n // chunk) > _BF16_SUM_MAX_CHUNKS
     acc32 = torch.empty(weight.shape, **f32) if many else None  # [V, H] float32 running sum of grad_weight
-    need_grad = need_grad_hidden or need_grad_weight
+    need_grad = need_grad_hidden or need_grad_weight or grad_bias is not None
     block_v = _ROW_BLOCK_V
     with full_precision_reductions():  # products 2 and 3 sum over V and over the chunk's rows in float32
         for start in range(0, n, chunk):
@@ -230,7 +233,10 @@ def loss_pass(hidden, weight, targets, token_weights, objective, *, inv_temp, ne
             h = hidden.index_select(0, idx)  # [c, H]
             tgt = targets.index_select(0, idx)
             x = buf[:c]
-            torch.mm(h, weight.T, out=x)  # product 1: logits [c, V]
+            if bias is None:
+                torch.mm(h, weight.T, out=x)  # product 1: logits [c, V]
+            else:
+                torch.addmm(bias, h, weight.T, out=x)
             lse_c, logp_c, ent_c = (torch.empty(c, **f32) for _ in range(3))
             _rowstats_kernel[(c,)](x, tgt, n_active, lse_c, logp_c, ent_c, start, vocab, x.stride(0), inv_temp,
                                    BLOCK_V=block_v, num_warps=_ROW_WARPS)
@@ -245,13 +251,15 @@ def loss_pass(hidden, weight, targets, token_weights, objective, *, inv_temp, ne
                 grad_hidden.index_copy_(0, idx, x @ weight)  # product 2
             if need_grad_weight:
                 _accumulate_grad_weight(grad_weight, x, h, first=start == 0, acc32=acc32)  # product 3
+            if grad_bias is not None:
+                grad_bias.add_(x.sum(0, dtype=torch.float32))
     del buf
     if acc32 is not None:
         grad_weight.copy_(acc32)
     return logp, entropy, grad_hidden, grad_weight
 
 
-def logprobs_pass(hidden, weight, targets, *, inv_temp, chunk_size=None):
+def logprobs_pass(hidden, weight, targets, *, inv_temp, chunk_size=None, bias=None):
     """``(logp, entropy)`` with the loss path's numerics (logits in the inputs' dtype from cuBLAS), no gradient.
 
     For old / reference log-probs that must agree with what ``loss_pass`` computes for the same rows: a ratio
@@ -259,5 +267,6 @@ def logprobs_pass(hidden, weight, targets, *, inv_temp, chunk_size=None):
     """
     every_row = torch.ones(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N] token weights
     logp, entropy, _, _ = loss_pass(hidden, weight, targets, every_row, None, inv_temp=inv_temp,
-                                    need_grad_hidden=False, need_grad_weight=False, chunk_size=chunk_size)
+                                    need_grad_hidden=False, need_grad_weight=False, chunk_size=chunk_size,
+                                    bias=bias)
     return logp, entropy

@@ -95,10 +95,10 @@ def _row_count(n_active_ptr, N, HAS_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, rows, mask_m, offs_v, mask_v, Hdim, stride_h, stride_w, inv_temp,
+def _logits_tile(h_ptr, w_ptr, b_ptr, rows, mask_m, offs_v, mask_v, Hdim, stride_h, stride_w, inv_temp,
                  BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    # z[BLOCK_M, BLOCK_V] = hidden[rows] @ weight[offs_v].T * inv_temp, float32 accumulation over H.
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # z[BLOCK_M, BLOCK_V] = (hidden[rows] @ weight[offs_v].T + bias[offs_v]) * inv_temp, float32 accumulation over H.
     # Pointer tiles are rebuilt from [BM] / [BV] row offsets each step instead of being carried through the
     # loop: carried 64-bit pointer tiles cost 2 registers per element and pushed the forward kernel into spills.
     offs_k = tl.arange(0, BLOCK_K)
@@ -113,6 +113,8 @@ def _logits_tile(h_ptr, w_ptr, rows, mask_m, offs_v, mask_v, Hdim, stride_h, str
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
     return acc * inv_temp
 
 
@@ -132,11 +134,11 @@ def _tile_ids(pid, num_a, num_b, group_a):
 
 
 @triton.jit
-def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr,
+def _fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, rows_ptr, n_active_ptr,
                 m_ptr, s_ptr, a_ptr, zt_ptr,  # [S, N] float32 partials
                 N, V, Hdim, stride_h, stride_w, inv_temp, tiles_per_split, num_m, splits, group_m,
                 HAS_ROWS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_m, pid_s = _tile_ids(tl.program_id(0), num_m, splits, group_m)
     n_rows = _row_count(n_active_ptr, N, HAS_ROWS)
     if pid_m * BLOCK_M >= n_rows:
@@ -153,8 +155,8 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr,
     for t in range(0, tiles_per_split):
         offs_v = v_first + t * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
-        z = _logits_tile(h_ptr, w_ptr, rows, mask_m, offs_v, mask_v, Hdim, stride_h, stride_w, inv_temp,
-                         BLOCK_M, BLOCK_V, BLOCK_K, UPCAST, PRECISION)
+        z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, mask_m, offs_v, mask_v, Hdim, stride_h, stride_w, inv_temp,
+                         BLOCK_M, BLOCK_V, BLOCK_K, UPCAST, PRECISION, HAS_BIAS)
         # Padded columns hold z = 0 (masked loads) and are masked out of the max and the sums.
         # The launcher guarantees each split's first tile has valid columns, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(tl.where(mask_v[None, :], z, float("-inf")), axis=1))
@@ -176,6 +178,8 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr,
         a = tl.load(h_rows[:, None] + (k + offs_k)[None, :], mask=kmask, other=0.0).to(tl.float32)
         b = tl.load(t_rows[:, None] + (k + offs_k)[None, :], mask=kmask, other=0.0).to(tl.float32)
         zt += tl.sum(a * b, axis=1)
+    if HAS_BIAS:
+        zt += tl.load(b_ptr + tl.where(has_t, tgt, 0), mask=has_t, other=0.0).to(tl.float32)
     zt = zt * inv_temp
     out = pid_s * N + rows
     tl.store(m_ptr + out, m_i, mask=mask_m)
@@ -185,11 +189,11 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr,
 
 
 @triton.jit
-def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr,
+def _dlogits_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, rows_ptr, n_active_ptr,
                     lse_ptr, spz_ptr, glp_ptr, gent_ptr, dx_ptr,  # [N] x4 float32, dx [C, V]
                     row_start, chunk_rows, V, Hdim, stride_h, stride_w, stride_dx, inv_temp, num_m, num_v, group_m,
                     HAS_ENT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_m, pid_v = _tile_ids(tl.program_id(0), num_m, num_v, group_m)
     row_end = tl.minimum(row_start + chunk_rows, tl.load(n_active_ptr))
     if row_start + pid_m * BLOCK_M >= row_end:
@@ -199,8 +203,8 @@ def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr,
     rows = _row_ids(rows_ptr, row_start + offs_c, mask_m, True)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < V
-    z = _logits_tile(h_ptr, w_ptr, rows, mask_m, offs_v, mask_v, Hdim, stride_h, stride_w, inv_temp,
-                     BLOCK_M, BLOCK_V, BLOCK_K, UPCAST, PRECISION)
+    z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, mask_m, offs_v, mask_v, Hdim, stride_h, stride_w, inv_temp,
+                     BLOCK_M, BLOCK_V, BLOCK_K, UPCAST, PRECISION, HAS_BIAS)
     lse = tl.load(lse_ptr + rows, mask=mask_m, other=0.0)
     g = tl.load(glp_ptr + rows, mask=mask_m, other=0.0)
     tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1).to(tl.int32)
@@ -332,8 +336,9 @@ def _launch_kw(cfg: dict, *names: str) -> dict:
     return kw
 
 
-def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_size, blocks=None):
-    """Returns ``(logp, entropy, lse, sum_pz)``, each ``[N]`` float32; rows outside ``active`` are 0.
+def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_size, blocks=None, bias=None):
+    """Returns ``(logp, entropy, lse, sum_pz)``, each ``[N]`` float32; rows outside ``active`` are 0. ``bias``:
+    ``[V]`` added to the logits, or None.
 
     The entropy comes free with the online log-sum-exp, so ``with_entropy`` is ignored; ``chunk_size`` only
     concerns backward. ``blocks`` overrides the tile sizes (and may pin ``SPLITS`` / ``GROUP``, for tests).
@@ -352,11 +357,12 @@ def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_si
     n_tiles = triton.cdiv(vocab, cfg["BLOCK_V"])
 
     kw = dict(HAS_ROWS=rows is not None, UPCAST=INTERPRET, PRECISION=_precision(hidden.dtype),
-              **_launch_kw(cfg, "BLOCK_M", "BLOCK_V", "BLOCK_K"))
+              HAS_BIAS=bias is not None, **_launch_kw(cfg, "BLOCK_M", "BLOCK_V", "BLOCK_K"))
     ones = torch.ones((1, n), **f32)
+    b_arg = weight if bias is None else bias.contiguous()  # any pointer when there is no bias
 
     def args(splits, per, group, parts=(ones,) * 4):
-        return (hidden, weight, targets, rows if rows is not None else targets, n_active, *parts,
+        return (hidden, weight, b_arg, targets, rows if rows is not None else targets, n_active, *parts,
                 n, vocab, h_dim, hidden.stride(0), weight.stride(0), inv_temp, per, row_blocks, splits, group)
 
     if "SPLITS" in cfg:
@@ -388,9 +394,11 @@ def forward(hidden, weight, targets, *, active, inv_temp, with_entropy, chunk_si
 
 
 def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_temp, chunk_size, blocks=None,
-             need_grad_hidden=True, need_grad_weight=True):
+             need_grad_hidden=True, need_grad_weight=True, bias=None, grad_bias=None):
     """Gradients w.r.t. ``hidden`` and ``weight``; see the module docstring for the maths and the chunking.
-    ``blocks`` overrides the tile sizes (and may pin ``SPLIT_K`` / ``GROUP``, for tests).
+    ``blocks`` overrides the tile sizes (and may pin ``SPLIT_K`` / ``GROUP``, for tests). ``bias``: ``[V]`` added
+    to the logits, or None; ``grad_bias``: a float32 ``[V]`` buffer the bias's gradient (the column sums of ``dx``
+    over the selected rows) is added into, or None.
 
     A gradient not needed is None and costs nothing: without ``need_grad_weight`` (a frozen lm_head)
     ``_dweight_kernel`` does not run and no ``[V, H]`` buffer is allocated; without ``need_grad_hidden``
@@ -416,7 +424,9 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
     n_chunks = triton.cdiv(n, chunk)
     num_m, num_v, num_h = chunk // bm, triton.cdiv(vocab, bv), triton.cdiv(h_dim, bh)
     l2 = l2_bytes(dev)
-    dx = torch.empty((chunk, vocab), dtype=hidden.dtype, device=dev)  # [C, V]
+    # [C, V]; zeroed for the bias gradient, which sums dx's columns: rows past the selected count are never written
+    dx = (torch.empty if grad_bias is None else torch.zeros)((chunk, vocab), dtype=hidden.dtype, device=dev)
+    b_arg = weight if bias is None else bias.contiguous()  # any pointer when there is no bias
     # grad_weight: written directly in its dtype when there is one chunk; else summed in a float32 buffer that
     # the last chunk reads and converts (see _dweight_kernel's modes).
     grad_weight = acc_w = None
@@ -448,12 +458,16 @@ def backward(hidden, weight, targets, lse, sum_pz, g_logp, g_entropy, *, inv_tem
 
     for i, start in enumerate(range(0, n, chunk)):
         _dlogits_kernel[(num_m * num_v,)](
-            hidden, weight, targets, rows, n_active,
+            hidden, weight, b_arg, targets, rows, n_active,
             lse, sum_pz, g_logp, g_entropy if g_entropy is not None else g_logp, dx,
             start, chunk, vocab, h_dim, hidden.stride(0), weight.stride(0), dx.stride(0), inv_temp,
             num_m, num_v, group_m,
-            HAS_ENT=g_entropy is not None, **common, **_launch_kw(cfg, "BLOCK_M", "BLOCK_V", "BLOCK_K"),
+            HAS_ENT=g_entropy is not None, HAS_BIAS=bias is not None, **common,
+            **_launch_kw(cfg, "BLOCK_M", "BLOCK_V", "BLOCK_K"),
         )
+        if grad_bias is not None:  # the chunk's selected rows: positions start .. n_active - 1 of the order
+            valid = (torch.arange(chunk, device=dev) + start < n_active).to(dx.dtype)  # [C], no host sync
+            grad_bias.add_(torch.mv(dx.T, valid).float())
         if need_grad_hidden:
             if n_split > 1:
                 part.zero_()  # row blocks past the selected count return without writing

@@ -12,7 +12,9 @@
 What each can run (``_CAN``): a recompute backend hands any differentiable token loss's gradient to the fused op;
 a gradient-in-forward one forms each row's gradient as soon as the row's softmax is known, so it runs only
 row-local objectives (``TokenObjective.row_local``). "cublas" has no recompute op, hence no sequence-level (GSPO)
-ratio: :func:`check_backend` is the one place that says so. Both ops, the trainer and config validation call
+ratio: :func:`check_backend` is the one place that says so. Every backend runs every policy term, the KL's own
+weights, its bias correction and an lm_head bias (each is either a row-local term of ``TokenObjective`` or an
+addition to the logits). Both ops, the trainer and config validation call
 :func:`resolve_backend` (which calls :func:`check_backend`).
 """
 

@@ -57,8 +57,15 @@ def linear_grpo_loss(
     backend: str = "auto",
     chunk_size: int | None = None,
     sequence_index: torch.Tensor | None = None,
+    policy_loss: str = "clip",
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    use_bias_correction_kl: bool = False,
+    kl_token_weights: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ):
-    """GRPO / DAPO / Dr. GRPO loss (the variant is in ``token_weights``) of an lm_head applied to ``hidden``.
+    """GRPO-family loss (the normaliser is in ``token_weights``, the term in ``policy_loss``) of an lm_head applied
+    to ``hidden``: ``sum_n token_weights[n] l_pg_n + beta sum_n kl_token_weights[n] k3_n`` (``objective.py``).
 
     Args:
         hidden ``[N, H]``, weight ``[V, H]``, targets ``[N]``: as in ``linear_logprobs``.
@@ -76,35 +83,45 @@ def linear_grpo_loss(
         chunk_size: rows per chunk (``"cublas"``: the ``[C, V]`` buffer; otherwise see ``linear_logprobs``).
         sequence_index: ``[N]`` int64, the sequence (numbered 0..K-1) of each row: sequence-level importance
             sampling (GSPO), the ratio of every token being its sequence's ``exp(mean(logp - old))`` over the
-            sequence's nonzero-weight rows. A sequence must lie wholly in this call. Not on ``"cublas"``.
+            sequence's rows of nonzero weight (in either term). A sequence must lie wholly in this call. Not on
+            ``"cublas"``.
+        policy_loss: the per-token policy term, ``"clip"`` (PPO / GRPO), ``"cispo"`` (``-sg[min(r, epsilon_high)]
+            A logp``: ``epsilon_high`` is the bound itself, TRL's eps_max) or ``"sapo"`` (the soft gate with
+            ``sapo_temperature_pos`` / ``sapo_temperature_neg``, TRL's names and defaults).
+        use_bias_correction_kl: the KL term is ``k3 * r`` (r differentiable), TRL's ``use_bias_correction_kl``.
+        kl_token_weights: ``[N]`` weights of the KL term; None: ``token_weights``. TRL weights the KL term by the
+            plain normaliser and the policy term also by the entropy mask and the vLLM importance ratio.
+        bias: ``[V]`` lm_head bias (logits ``= hidden @ weight.T + bias``), the weight's dtype; differentiable.
 
     Returns:
         ``(loss, stats)``: ``loss`` a float32 scalar; ``stats`` device tensors, no host sync: ``logprobs [N]``
         (detached, 0 where the weight is 0), ``clip_low_frac`` and ``clip_high_frac`` (TRL's: among tokens with
         nonzero weight, the fraction with ``r < 1 - eps_low and A < 0``, resp. ``r > 1 + eps_high and A > 0``),
-        ``kl_mean`` (mean k3 over those tokens; 0 when beta == 0) and ``entropy [N]`` when asked.
+        ``kl_mean`` (mean KL term over those tokens, bias-corrected when asked; 0 when beta == 0), ``entropy [N]``
+        when asked, and ``cispo_clip_frac`` (TRL's ``cispo_clip_ratio``: ``r > epsilon_high and A > 0``) under
+        cispo. "Tokens with nonzero weight" are those with a nonzero weight in either term.
     """
     objective = TokenObjective(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                                epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
-                               sequence_index=sequence_index)
+                               sequence_index=sequence_index, policy_loss=policy_loss,
+                               sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                               use_bias_correction_kl=use_bias_correction_kl, kl_token_weights=kl_token_weights)
     objective.check_rows(hidden.shape[0], token_weights)
 
-    counted = token_weights != 0  # [N]
-    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    name = resolve_backend(backend, hidden.device, needs_grad=wants_grad, sequence_level=not objective.row_local)
+    counted = objective.active(token_weights)  # [N]
+    grad_on = torch.is_grad_enabled()
+    needs = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
+    name = resolve_backend(backend, hidden.device, needs_grad=any(needs), sequence_level=not objective.row_local)
     impl = grad_in_forward_module(name, hidden.device) if objective.row_local else None
     if impl is not None:
-        check_inputs(hidden, weight, targets, temperature)
-        grad_on = torch.is_grad_enabled()
-        needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+        check_inputs(hidden, weight, targets, temperature, bias)
         loss, logp, entropy, ratio, kl = _GradInForwardLoss.apply(
             hidden, weight, targets, token_weights, objective, 1.0 / float(temperature), chunk_size, needs, impl,
-            return_entropy)
+            return_entropy, bias)
     else:
         logp, entropy = fused_logprobs(hidden, weight, targets, active=counted, temperature=temperature,
-                                       with_entropy=return_entropy, backend=name, chunk_size=chunk_size)
-        per_token, ratio, kl = objective.token_loss(logp, counted)
-        loss = (token_weights.float() * per_token).sum()
+                                       with_entropy=return_entropy, backend=name, chunk_size=chunk_size, bias=bias)
+        loss, ratio, kl, _ = objective.weighted_loss(logp, token_weights)
 
     stats = {"logprobs": logp.detach(), **objective.stats(ratio, kl, counted)}
     if return_entropy:
@@ -113,34 +130,38 @@ def linear_grpo_loss(
 
 
 class _GradInForwardLoss(torch.autograd.Function):
-    """``(loss, logp, entropy, ratio, kl)``; only ``loss`` is differentiable (the others feed the stats; ``kl`` is
-    None when beta == 0). Forward runs ``impl.loss_pass`` (``_gradfwd`` or ``_chunked``), which also forms the
-    gradients of the loss; backward scales them by the upstream gradient. The objective's tensors are no inputs
-    of the function: none of them gets a gradient on this path."""
+    """``(loss, logp, entropy, ratio, kl)``; only ``loss`` is differentiable, in hidden, weight and bias (the others
+    feed the stats; ``kl`` is None when beta == 0). Forward runs ``impl.loss_pass`` (``_gradfwd`` or ``_chunked``),
+    which also forms the gradients of the loss; backward scales them by the upstream gradient. The objective's
+    tensors are no inputs of the function: none of them gets a gradient on this path."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, token_weights, objective, inv_temp, chunk_size, needs, impl,
-                with_entropy):
+                with_entropy, bias):
+        # grad_bias: float32 [V], summed into by the pass (the bias's dtype after backward's scaling)
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs[2] else None
         logp, entropy, grad_hidden, grad_weight = impl.loss_pass(
             hidden, weight, targets, token_weights, objective, inv_temp=inv_temp, chunk_size=chunk_size,
-            need_grad_hidden=needs[0], need_grad_weight=needs[1], with_entropy=with_entropy,
+            need_grad_hidden=needs[0], need_grad_weight=needs[1], with_entropy=with_entropy, bias=bias,
+            grad_bias=grad_bias,
         )
-        per_token, ratio, kl = objective.token_loss(logp, token_weights != 0)
-        loss = (token_weights.float() * per_token).sum()
+        loss, ratio, kl, _ = objective.weighted_loss(logp, token_weights)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
         # Held on ctx, not saved: backward scales them in place, which torch ops (the _chunked path) record in the
         # version counter that saved tensors are checked against. They are no outputs, so no reference cycle.
-        ctx.grads, ctx.impl, ctx.used = (grad_hidden, grad_weight), impl, False
+        ctx.grads, ctx.impl, ctx.used = (grad_hidden, grad_weight, grad_bias), impl, False
         ctx.mark_non_differentiable(*(x for x in (logp, entropy, ratio, kl) if x is not None))
         return loss, logp, entropy, ratio, kl
 
     @staticmethod
     def backward(ctx, g_loss, *_g_stats):
-        grad_hidden, grad_weight = ctx.grads
+        grad_hidden, grad_weight, grad_bias = ctx.grads
         if g_loss is None:
-            return (None,) * 10
+            return (None,) * 11
         # Dropped from ctx so that the returned gradients have no other owner: autograd then moves grad_weight into
         # weight.grad instead of cloning it (a clone would hold a second [V, H] at the peak).
-        ctx.grads = (None, None)
+        ctx.grads = (None, None, None)
         if ctx.used:
             raise RuntimeError("linear_grpo_loss(backend='cublas' or 'torch') computes its gradients once, in "
                                "forward, and scales them in place: a second backward through it is not supported "
@@ -148,7 +169,7 @@ class _GradInForwardLoss(torch.autograd.Function):
                                "retain_graph / double backward)")
         ctx.used = True
         # In place, no host sync (_gradfwd: a no-op launch when g_loss == 1, i.e. loss.backward()).
-        for grad in (grad_hidden, grad_weight):
+        for grad in (grad_hidden, grad_weight, grad_bias):
             if grad is not None:
                 ctx.impl.scale_(grad, g_loss)
-        return grad_hidden, grad_weight, *(None,) * 8
+        return grad_hidden, grad_weight, *(None,) * 8, grad_bias

@@ -228,3 +228,67 @@ def test_gpu_summary_says_why_nothing_was_measured(tmp_path):
     assert "step trl unavailable: trl or datasets is not importable | <= 0.7 | not run |" in text
     assert "step decode timeout after 90 s | >= 2x | not run |" in text
     assert "step pytest not in this call" in text
+
+
+# -- --update-only: TRL's update against grpo_update on one fixed batch (benchmarks/trl_update.py) --------------------
+
+
+def test_update_only_batch_is_padded_as_trl_pads_and_its_control_is_not():
+    from benchmarks.trl_update import draw_batches, trl_rollout_output
+
+    batch, control = draw_batches(16, 4, 300, seed=2, completion_mean=20.0, completion_cap=40)
+    assert len(batch.prompts) == len(control.prompts) == 16
+    assert [len(p) for p in batch.prompts[:4]] == [len(batch.prompts[0])] * 4  # a group shares its prompt
+    assert len({len(c) for c in batch.completions}) > 1 and batch.padding_frac > 0.1
+    assert control.padding_frac == 0 and abs(control.real_tokens - batch.real_tokens) <= 16
+    assert torch.equal(batch.advantages, control.advantages)
+    out = trl_rollout_output(batch, torch.device("cpu"), pad_id=0)
+    i = min(range(16), key=lambda k: len(batch.prompts[k]))  # the shortest prompt: left padding
+    p_len, c_len = len(batch.prompts[i]), len(batch.completions[i])
+    assert out["prompt_mask"][i].tolist() == [0] * (out["prompt_ids"].shape[1] - p_len) + [1] * p_len
+    assert out["prompt_ids"][i, -p_len:].tolist() == batch.prompts[i]
+    assert out["completion_ids"][i, :c_len].tolist() == batch.completions[i]
+    assert out["completion_mask"][i].sum() == c_len and out["completion_mask"][i, :c_len].all()
+    assert int(out["num_items_in_batch"]) == sum(len(c) for c in batch.completions)
+    assert out["prompt_ids"].numel() + out["completion_ids"].numel() == batch.padded_slots
+
+
+def test_update_only_gradients_agree_with_trls_and_pairs_are_timed(tmp_path):
+    """TRL's own training_step on its padded layout and grpo_update on the packed sequences: the same gradients
+    (float32, CPU), then one alternated pair per batch."""
+    pytest.importorskip("trl")
+    import json
+
+    from benchmarks.bench_trl import main
+
+    out = tmp_path / "upd"
+    assert main(["--update-only", "--shape", "tiny", "--sequences", "8", "--generations", "4", "--trl-micro-batch",
+                 "4", "--completion-mean", "12", "--completion-cap", "24", "--repeats", "1", "--workdir",
+                 str(tmp_path), "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["parity"]["max_rel_diff"] < 1e-4 and report["parity"]["max_abs_grad"] > 0
+    countdown, control = report["batches"]
+    assert countdown["padding_frac"] > 0 and control["padding_frac"] == 0
+    for b in report["batches"]:
+        assert b["pairs"] == 1
+        for side in ("trl", "fastgrpo"):
+            assert len(b["seconds"][side]) == 1 and b["seconds"][side][0] > 0 and b["peak_mb"][side][0] > 0
+    assert "| countdown lengths |" in out.with_suffix(".md").read_text()
+
+
+def test_gpu_issue29_script_refuses_a_machine_without_cuda(tmp_path):
+    """benchmarks/gpu_issue29.sh parses (bash -n) and, with no CUDA device and no SMOKE=1, stops at once with exit 2
+    and says why (its steps are the update-only and kernel runs tested above, at tiny shapes with SMOKE=1)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_issue29.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, SMOKE="0")
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "no CUDA device visible" in proc.stderr + proc.stdout

@@ -51,6 +51,7 @@ def _run(out: Path) -> dict:
         "data.source=toy", "rewards.funcs=[toy_digit]", "model.name_or_path=tiny", "device=cpu", "seed=3",
         "rollout.max_completion_length=5", "grpo.prompts_per_step=3", "grpo.num_generations=4",
         "grpo.beta=0.05", "grpo.num_iterations=2", "grpo.loss_type=grpo", "grpo.max_tokens_per_microbatch=128",
+        "grpo.use_bias_correction_kl=false",  # the golden figures predate TRL's bias-corrected KL (now the default)
         "optim.lr=1e-2", "optim.warmup_steps=1", "optim.schedule=cosine", "optim.max_grad_norm=0.5",
         "eval.every=-1", "log.progress=false", "data.system_prompt=''", "checkpoint.resume=never",
         f"output_dir={out}"])

@@ -98,4 +98,25 @@ def test_sft_config_errors_name_the_field():
         load_config(None, ["sft.normalization=tokens"], cls=SFTConfig)
     with pytest.raises(ConfigError, match="sft.near_miss"):
         load_config(None, ["sft.near_miss=1.5"], cls=SFTConfig)
+    with pytest.raises(ConfigError, match="sft.head_backend.*no backward"):  # its gradient is the GRPO loss's only
+        load_config(None, ["sft.head_backend=cublas"], cls=SFTConfig)
+
+
+def test_sft_resolves_a_differentiable_head_path(monkeypatch):
+    """'auto' on CUDA picks cublas for the GRPO loss, whose log-probs have no backward: SFT must resolve as for
+    log-probs (a recompute path). Checked through the resolver the update calls, with CUDA pretended."""
+    import fastgrpo.update as update
+
+    seen = []
+    monkeypatch.setattr(update, "resolve_backend", lambda b, d, needs_grad, **kw: seen.append(needs_grad) or "torch")
+    from transformers import AutoModelForCausalLM
+
+    from fastgrpo.tiny import build_tiny
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny(seed=3), attn_implementation="sdpa")
+    model = parallelize_model(model, ParallelConfig(), device="cpu", world_size=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sft_update(model, [[1, 2, 3]], [[4, 5]], normalization="token", max_tokens_per_microbatch=64,
+               head_backend="auto", optimizer=opt, max_grad_norm=1.0, metrics=StepMetrics(), device="cpu")
+    assert seen == [False]
 

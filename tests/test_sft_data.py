@@ -30,6 +30,8 @@ def test_every_trace_is_a_solution_the_rewards_score_one(style, dist, solution):
     trace_rng = random.Random(0)
     completions = [countdown_trace(r, style, trace_rng, solution=solution) for r in rows]
     assert all(c is not None for c in completions)  # the generator only makes problems with integer solutions
+    # a multi-turn trace ('tool'): the rewards read its last assistant turn
+    completions = [c.rpartition("<|im_start|>assistant\n")[2] for c in completions]
     nums, target = [r["nums"] for r in rows], [r["target"] for r in rows]
     assert countdown_reward(completions, nums=nums, target=target) == [1.0] * len(rows)
     assert format_reward(completions) == [1.0] * len(rows)

@@ -24,13 +24,13 @@ from fastgrpo.config import loader
 from fastgrpo.config.loader import ConfigError, check_section, choices, not_a_file, registry, to_dict
 from fastgrpo.config.runs import (RESUMABLE_KEYS, RunConfig, SFTConfig, SFTOptions, TrainConfig, check_run_config,
                                   run_defining_changes)
-from fastgrpo.config.sections import (SEEDS_SYSTEM_PROMPT, CheckpointConfig, DataConfig, EvalConfig, GRPOConfig,
-                                      HFRolloutConfig, LogConfig, LoraConfig, ModelConfig, OptimConfig,
-                                      ParallelConfig, RewardConfig, RolloutConfig, VLLMRolloutConfig)
+from fastgrpo.config.sections import (SEEDS_SYSTEM_PROMPT, CheckpointConfig, DataConfig, EnvConfig, EvalConfig,
+                                      GRPOConfig, HFRolloutConfig, LogConfig, LoraConfig, ModelConfig, OptimConfig,
+                                      ParallelConfig, PPOConfig, RewardConfig, RolloutConfig, VLLMRolloutConfig)
 
-__all__ = ["RESUMABLE_KEYS", "SEEDS_SYSTEM_PROMPT", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig",
-           "GRPOConfig", "HFRolloutConfig", "LogConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
-           "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig", "SFTOptions", "TrainConfig",
+__all__ = ["RESUMABLE_KEYS", "SEEDS_SYSTEM_PROMPT", "CheckpointConfig", "ConfigError", "DataConfig", "EnvConfig",
+           "EvalConfig", "GRPOConfig", "HFRolloutConfig", "LogConfig", "LoraConfig", "ModelConfig", "OptimConfig",
+           "ParallelConfig", "PPOConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig", "SFTOptions", "TrainConfig",
            "VLLMRolloutConfig", "check_run_config", "check_section", "choices", "describe", "load_config",
            "not_a_file", "registry", "run_defining_changes", "to_dict"]
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from fastgrpo.config.loader import check, check_finite, check_section, fail, registry
 from fastgrpo.config.sections import (CheckpointConfig, DataConfig, EvalConfig, GRPOConfig, LogConfig, ModelConfig,
-                                      OptimConfig, ParallelConfig, RewardConfig, RolloutConfig)
+                                      OptimConfig, ParallelConfig, PPOConfig, RewardConfig, RolloutConfig)
 
 __all__ = ["RESUMABLE_KEYS", "RunConfig", "SFTConfig", "SFTOptions", "TrainConfig", "check_run_config",
            "run_defining_changes"]
@@ -106,6 +106,11 @@ class TrainConfig(RunConfig):
     rewards: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    """'grpo' (group-relative advantages) or 'ppo' (a learned critic, GAE token advantages: the ppo section; the
+    clipped objective, batch shape and kernels stay grpo's)."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """PPO's critic, GAE and epochs (algorithm: ppo)."""
 
     def validate(self) -> "TrainConfig":
         check_run_config(self, head_backend_field="grpo.head_backend",
@@ -115,7 +120,27 @@ class TrainConfig(RunConfig):
         check(not (self.model.lora.modules_to_save and self.rollout.engine == "vllm"
                    and self.rollout.vllm.lora_sync == "adapter"), "rollout.vllm.lora_sync",
               "'adapter' sends the LoRA matrices only, not model.lora.modules_to_save: use 'merged'")
+        if self.algorithm == "ppo":
+            _check_ppo(self)
         return self
+
+
+def _check_ppo(cfg: "TrainConfig") -> None:
+    """The grpo options that PPO's update does not implement are errors, not silently ignored."""
+    g = cfg.grpo
+    check(g.num_iterations == 1, "grpo.num_iterations", "algorithm ppo reuses a batch by ppo.num_ppo_epochs instead")
+    for name, on in (("dynamic_sampling", g.dynamic_sampling), ("sil_top_k", g.sil_top_k > 0),
+                     ("top_entropy_quantile", g.top_entropy_quantile < 1),
+                     ("importance_sampling_level", g.importance_sampling_level != "token"),
+                     ("mask_truncated_completions", g.mask_truncated_completions)):
+        check(not on, f"grpo.{name}", "is a GRPO option that algorithm ppo does not implement: leave it at its default")
+    check(g.prompts_per_step * g.num_generations >= cfg.ppo.num_mini_batches, "ppo.num_mini_batches",
+          f"must be <= the sequences per rank (grpo.prompts_per_step * grpo.num_generations = "
+          f"{g.prompts_per_step * g.num_generations})")
+    check(getattr(cfg.rollout, "max_turns", 1) == 1, "rollout.max_turns",
+          "algorithm ppo trains on single-turn completions (environment tokens would get values and advantages)")
+    check(cfg.ppo.critic_warmup_steps < cfg.max_steps, "ppo.critic_warmup_steps",
+          f"must be < max_steps={cfg.max_steps} (the policy would never train)")
 
 
 def check_run_config(cfg: Any, *, head_backend_field: str, sequence_level: bool = False) -> Any:
@@ -180,6 +205,9 @@ class SFTOptions:
         check(self.batch_size >= 1, f"{p}.batch_size", "must be >= 1")
         check(self.max_tokens_per_microbatch >= 1, f"{p}.max_tokens_per_microbatch", "must be >= 1")
         check(0.0 <= self.near_miss <= 1.0, f"{p}.near_miss", f"must be in [0, 1], got {self.near_miss}")
+        check(self.head_backend != "cublas", f"{p}.head_backend",
+              "cublas forms the GRPO loss's gradient in forward and has no backward for SFT's log-probs; "
+              "use auto, triton or torch")
 
 
 @dataclass(kw_only=True)

@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from fastgrpo.config.loader import check, registry
 
-__all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "GRPOConfig", "HFRolloutConfig", "LogConfig", "LoraConfig",
-           "ModelConfig", "OptimConfig", "ParallelConfig", "RewardConfig", "RolloutConfig", "SEEDS_SYSTEM_PROMPT",
-           "VLLMRolloutConfig"]
+__all__ = ["CheckpointConfig", "DataConfig", "EnvConfig", "EvalConfig", "GRPOConfig", "HFRolloutConfig", "LogConfig",
+           "LoraConfig", "ModelConfig", "OptimConfig", "PPOConfig", "ParallelConfig", "RewardConfig", "RolloutConfig",
+           "SEEDS_SYSTEM_PROMPT", "VLLMRolloutConfig"]
 
 
 SEEDS_SYSTEM_PROMPT = (
@@ -209,6 +209,44 @@ class VLLMRolloutConfig:
 
 
 @dataclass(kw_only=True)
+class EnvConfig:
+    """Multi-turn rollouts (``rollout.max_turns`` > 1): the environment each trajectory talks to
+    (fastgrpo.environments)."""
+
+    name: str = field(default="none", metadata=registry("fastgrpo.environments:ENVIRONMENTS", also=("none",),
+                                                        plugins=True))
+    """'none' (single-turn), 'tools' (the model calls rollout.env.tools), a registered environment, or
+    'path/to/file.py:ClassName' (your own fastgrpo.environments.Environment)."""
+    tools: list[str] = field(default_factory=list, metadata=registry("fastgrpo.environments:TOOLS", plugins=True))
+    """Tools of the 'tools' environment: built-in names (fastgrpo.environments.TOOLS) or 'path/to/file.py:function'
+    (typed Python functions with docstrings; their schemas go to the chat template's tools=)."""
+    tool_call_format: str = field(default="qwen", metadata=registry("fastgrpo.environments:TOOL_CALL_FORMATS"))
+    """How tool calls are written in the model's output ('qwen': <tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>, Qwen2.5/Qwen3/Hermes)."""
+    timeout_s: float = 10.0
+    """Most seconds one tool call may take in its worker process; then it is killed and the model is told so."""
+    num_workers: int = 2
+    """Tool worker processes per rank."""
+    max_output_chars: int = 2000
+    """A tool's result (return value and printed output) is cut to this many characters in the tool message."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor (a plugin class or a registered environment)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.name != "none"
+
+    def validate(self, p: str) -> None:
+        check(self.timeout_s > 0, f"{p}.timeout_s", f"must be > 0, got {self.timeout_s}")
+        check(self.num_workers >= 1, f"{p}.num_workers", f"must be >= 1, got {self.num_workers}")
+        check(self.max_output_chars >= 16, f"{p}.max_output_chars", f"must be >= 16, got {self.max_output_chars}")
+        check(isinstance(self.kwargs, dict), f"{p}.kwargs", f"must be a mapping, got {self.kwargs!r}")
+        check(self.name != "tools" or bool(self.tools), f"{p}.tools", "the 'tools' environment needs at least one tool")
+        check(not self.tools or self.name == "tools", f"{p}.tools",
+              f"tools are called by the 'tools' environment only; set {p}.name=tools")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     engine: str = field(default="hf", metadata=registry("fastgrpo.rollout:ENGINES"))
     """Rollout engine (fastgrpo.rollout.ENGINES): 'hf' (KV-cached decode on the live policy) or 'vllm' (colocated);
@@ -226,8 +264,17 @@ class RolloutConfig:
     """Options of the 'hf' engine."""
     vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
     """Options of the 'vllm' engine."""
+    max_turns: int = 1
+    """Model turns per trajectory (multi-turn with rollout.env); a trajectory still calling tools after the last
+    one is truncated (finish 'length': grpo.mask_truncated_completions applies). With an environment,
+    max_completion_length bounds the whole trajectory after the prompt: model and environment tokens."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """The environment of multi-turn rollouts (fastgrpo.environments)."""
 
     def validate(self, p: str) -> None:
+        check(self.max_turns >= 1, f"{p}.max_turns", f"must be >= 1, got {self.max_turns}")
+        check(self.max_turns == 1 or self.env.enabled, f"{p}.max_turns",
+              f"more than one turn needs an environment to answer the model: set {p}.env.name")
         check(self.max_completion_length > 0, f"{p}.max_completion_length", "must be > 0")
         check(self.temperature > 0, f"{p}.temperature", "must be > 0")
         check(0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
@@ -242,7 +289,8 @@ class GRPOConfig:
     num_generations: int = 8
     """G: completions per prompt."""
     loss_type: str = field(default="dapo", metadata=registry("fastgrpo.losses:LOSS_TYPES"))
-    """grpo | dapo (alias bnpo) | dr_grpo: how per-token losses are normalised over the global batch."""
+    """grpo | dapo (alias bnpo) | dr_grpo | luspo | cispo | sapo (TRL's loss types): how per-token losses are
+    normalised over the global batch, and the per-token policy term (clip; cispo and sapo their own)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Advantage scaling: 'group' (divide by group std), 'batch' (by batch std) or 'none' (Dr. GRPO)."""
     beta: float = 0.0
@@ -250,7 +298,16 @@ class GRPOConfig:
     epsilon_low: float = 0.2
     """Lower clip range: ratio clipped at 1 - epsilon_low."""
     epsilon_high: float = 0.2
-    """Upper clip range: ratio clipped at 1 + epsilon_high (DAPO clip-higher: 0.28)."""
+    """Upper clip range: ratio clipped at 1 + epsilon_high (DAPO clip-higher: 0.28). loss_type cispo: the bound of its
+    truncated importance weight min(r, epsilon_high) itself, at either importance_sampling_level (TRL's eps_max;
+    ScaleRL recommends 5.0)."""
+    sapo_temperature_pos: float = 1.0
+    """loss_type sapo: temperature of the soft gate for tokens with positive advantage (TRL's name and default)."""
+    sapo_temperature_neg: float = 1.05
+    """loss_type sapo: temperature of the soft gate for tokens with advantage <= 0 (TRL's name and default)."""
+    use_bias_correction_kl: bool = True
+    """beta > 0: multiply the k3 KL by the (differentiable) importance ratio, the unbiased reverse-KL gradient (TRL's
+    use_bias_correction_kl, default True there too); false: plain k3."""
     delta: float | None = None
     """Two-sided clipping: clamp the unclipped ratio at delta (TRL's delta); None = off."""
     num_iterations: int = 1
@@ -295,6 +352,10 @@ class GRPOConfig:
         check(self.beta >= 0, f"{p}.beta", "must be >= 0")
         check(0 <= self.epsilon_low < 1, f"{p}.epsilon_low", "must be in [0, 1)")
         check(self.epsilon_high >= 0, f"{p}.epsilon_high", "must be >= 0")
+        check(self.loss_type != "cispo" or self.epsilon_high > 0, f"{p}.epsilon_high",
+              "must be > 0 with loss_type cispo (the truncation bound of its importance weight; TRL suggests 5.0)")
+        check(self.sapo_temperature_pos > 0, f"{p}.sapo_temperature_pos", "must be > 0")
+        check(self.sapo_temperature_neg > 0, f"{p}.sapo_temperature_neg", "must be > 0")
         check(self.delta is None or self.delta > 1 + self.epsilon_high, f"{p}.delta",
               "must exceed 1 + epsilon_high")
         check(self.num_iterations >= 1, f"{p}.num_iterations", "must be >= 1")
@@ -307,6 +368,48 @@ class GRPOConfig:
               f"must be in [0, num_generations={self.num_generations}]")
         check(self.sil_coef >= 0, f"{p}.sil_coef", "must be >= 0")
         check(self.dynamic_sampling_max_rounds >= 0, f"{p}.dynamic_sampling_max_rounds", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class PPOConfig:
+    """PPO with a learned critic (``algorithm: ppo``, fastgrpo.ppo). The policy loss is grpo.loss_type's (the clipped
+    objective for grpo / dapo / dr_grpo: grpo.epsilon_low/high, grpo.beta) with per-token GAE advantages."""
+
+    gamma: float = 1.0
+    """GAE discount per token, in [0, 1] (oat's default 1: the terminal reward reaches every token undiscounted)."""
+    lam: float = 1.0
+    """GAE lambda, in [0, 1]: 1 = Monte Carlo return minus the value, 0 = one-step TD error."""
+    kl_coef: float = 0.0
+    """KL penalty in the reward: each token gets -kl_coef * (logp - ref_logp) (oat's kl_penalty_coef); > 0 loads the
+    reference model."""
+    whiten_advantages: bool = True
+    """Whiten the token advantages over the global batch (all ranks): (A - mean) / std."""
+    vf_coef: float = 1.0
+    """Weight of the value loss 0.5 * max((V - R)^2, (V_clipped - R)^2) (oat's default 1.0)."""
+    cliprange_value: float = 0.2
+    """Value clipping: V_clipped = V_old + clamp(V - V_old, -c, c)."""
+    critic_lr: float = 9e-6
+    """Peak learning rate of the critic's AdamW (oat's default 9e-6); its schedule is optim's (warm-up, decay)."""
+    num_ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    num_mini_batches: int = 1
+    """Optimizer updates per epoch: each rank's sequences are shuffled and split into this many mini-batches."""
+    critic_init: str | None = None
+    """The critic's trunk: a registered name, folder or hub id; None = model.name_or_path (the policy's base)."""
+    critic_warmup_steps: int = 0
+    """First rollout steps in which only the critic trains (the policy's first update then meets fitted values)."""
+
+    def validate(self, p: str) -> None:
+        check(0 <= self.gamma <= 1, f"{p}.gamma", f"must be in [0, 1], got {self.gamma}")
+        check(0 <= self.lam <= 1, f"{p}.lam", f"must be in [0, 1], got {self.lam}")
+        check(self.kl_coef >= 0, f"{p}.kl_coef", "must be >= 0")
+        check(self.vf_coef > 0, f"{p}.vf_coef", "must be > 0")
+        check(self.cliprange_value > 0, f"{p}.cliprange_value", "must be > 0")
+        check(0 < self.critic_lr <= 1, f"{p}.critic_lr", f"must be in (0, 1], got {self.critic_lr}")
+        check(self.num_ppo_epochs >= 1, f"{p}.num_ppo_epochs", "must be >= 1")
+        check(self.num_mini_batches >= 1, f"{p}.num_mini_batches", "must be >= 1")
+        check(self.critic_init is None or bool(self.critic_init), f"{p}.critic_init", "must be non-empty or null")
+        check(self.critic_warmup_steps >= 0, f"{p}.critic_warmup_steps", "must be >= 0")
 
 
 MAX_LR = 1.0

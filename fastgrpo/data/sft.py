@@ -58,15 +58,35 @@ def _search(row: dict[str, Any], steps: list[str], expr: str, rng: random.Random
     return f"<think>{' '.join(step for attempt in tried + [steps] for step in attempt)}</think><answer>{expr}</answer>"
 
 
+TOOL_MISS_SHARE = 0.3
+"""``tool`` traces first try an attempt that misses the target this often."""
+
+
+def _tool(row: dict[str, Any], steps: list[str], expr: str, rng: random.Random) -> str:
+    # The conversation after the prompt as a multi-turn rollout with the calculator tool writes it in the embedded
+    # tiny model's chat format (Qwen's): each call ends the model's turn, the tool's message opens the next.
+    tries = []
+    misses = [(e, v) for _, e, v in iter_expressions(row["nums"]) if v != row["target"]]
+    if misses and rng.random() < TOOL_MISS_SHARE:
+        tries.append(rng.choice(misses))
+    tries.append((expr, steps[-1].rpartition("=")[2] if steps else expr))  # the last step's result is the value
+    calls = "".join('<tool_call>{"name": "calculator", "arguments": {"expression": "' + e + '"}}</tool_call>'
+                    f"<|im_end|>\n<|im_start|>tool\n{v}<|im_end|>\n<|im_start|>assistant\n" for e, v in tries)
+    return f"{calls}<think></think><answer>{expr}</answer>"  # the last turn, which the rewards read, as _answer_only
+
+
 TRACES: dict[str, Callable[[dict[str, Any], list[str], str, random.Random], str]] = {
     "answer": _answer_only,
     "steps": _steps,
     "search": _search,
+    "tool": _tool,
 }
 """Trace style -> fn(row, steps, expression, rng) -> completion, for one way (steps, expression) to compute an
 equation. ``answer``: an empty think block, then the equation; ``steps``: the intermediate results in order
 (``3+5=8 4*8=32``), then the equation; ``search``: first 0-2 random attempts that miss the target, each computed
-honestly to its end (``3*5=15 15+4=19``), then the solution's steps and its equation."""
+honestly to its end (``3*5=15 15+4=19``), then the solution's steps and its equation; ``tool``: calls of the
+calculator tool (sometimes first on a miss), each followed by the tool's answer, then a last turn as ``answer``'s
+(fastgrpo.environments, ``configs/tiny-tools.yaml``; the rewards of a multi-turn run read the last turn)."""
 
 
 SOLUTIONS = ("first", "random")

@@ -70,6 +70,10 @@ class _Worker:
 class WorkerPool:
     """``size`` reward workers that import ``specs`` (see :func:`fastgrpo.rewards.loader.worker_spec`)."""
 
+    worker_module = "fastgrpo.rewards._worker"
+    """The module each worker runs (``python -m``); another protocol-compatible worker (the tool worker of
+    :mod:`fastgrpo.environments`) reuses the pool's deadlines, restarts and interrupts."""
+
     def __init__(self, specs: list[str], *, size: int, timeout_s: float) -> None:
         if size < 1:
             raise ValueError(f"a reward worker pool needs size >= 1, got {size}")
@@ -91,7 +95,7 @@ class WorkerPool:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "fastgrpo.rewards._worker", str(child.fileno()), str(os.getpid())],
+                [sys.executable, "-m", self.worker_module, str(child.fileno()), str(os.getpid())],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
         finally:
             child.close()

@@ -44,28 +44,46 @@ def logprobs_errors(shape: Shape, *, dtype, backend, temperature=1.0, entropy=Fa
 
 
 def grpo_errors(shape: Shape, *, dtype, backend, old=True, beta=0.0, delta=None, temperature=1.0,
-                zero_weight_frac=0.25, entropy=False, chunk_size=None, seed=0, epsilon_high=0.2, sequences=None):
-    """``sequences=K``: sequence-level importance sampling (GSPO) with rows drawn into K sequences."""
+                zero_weight_frac=0.25, entropy=False, chunk_size=None, seed=0, epsilon_high=0.2, sequences=None,
+                bias=False, kl_weights=False, **objective):
+    """``sequences=K``: sequence-level importance sampling (GSPO) with rows drawn into K sequences. ``bias``: an
+    lm_head bias (its gradient compared too). ``kl_weights``: the KL term gets its own weights (a third of the
+    policy's zeroed, as an entropy mask does, and the rest scaled). ``objective``: more keyword arguments of both
+    losses (``policy_loss``, ``use_bias_correction_kl``, ...)."""
     inp = make_inputs(shape, dtype=dtype, seed=seed, zero_weight_frac=zero_weight_frac)
     hidden, weight, targets = inp["hidden"], inp["weight"], inp["targets"]
     adv, tw = inp["advantages"], inp["token_weights"]
     h64, w64 = _f64_leaves(hidden, weight)
-    logp_exact = reference_linear_logprobs(h64, w64, targets, temperature=temperature).detach()
-    kw = dict(
-        old_logprobs=perturbed(logp_exact, std=0.3, seed=seed + 1) if old else None,
-        ref_logprobs=perturbed(logp_exact, std=0.2, seed=seed + 2) if beta else None,
-        delta=delta, beta=beta, temperature=temperature, epsilon_high=epsilon_high,
-    )
+    leaves, leaves64 = [hidden, weight], [h64, w64]
+    kw = dict(delta=delta, beta=beta, temperature=temperature, epsilon_high=epsilon_high, **objective)
+    kw64 = {}
+    if bias:
+        gen = torch.Generator().manual_seed(seed + 4)
+        b = (torch.randn(shape.v, generator=gen) * 2).to(device=hidden.device, dtype=dtype).requires_grad_()
+        (b64,) = _f64_leaves(b)
+        leaves.append(b)
+        leaves64.append(b64)
+        kw64["bias"], kw["bias"] = b64, b
+    logp_exact = reference_linear_logprobs(h64, w64, targets, temperature=temperature, bias=kw64.get("bias")).detach()
+    kw.update(old_logprobs=perturbed(logp_exact, std=0.3, seed=seed + 1) if old else None,
+              ref_logprobs=perturbed(logp_exact, std=0.2, seed=seed + 2) if beta else None)
     if sequences is not None:
         gen = torch.Generator().manual_seed(seed + 3)
         kw["sequence_index"] = torch.randint(0, sequences, (shape.n,), generator=gen).to(hidden.device)
+    if kl_weights:  # the plain normaliser on the KL term; the policy's weights masked and scaled
+        gen = torch.Generator().manual_seed(seed + 5)
+        kw["kl_token_weights"] = tw.clone()
+        tw = tw * (torch.rand(shape.n, generator=gen) * 2).to(tw.device) * (torch.rand(shape.n, generator=gen) > 0.33)
+    kw64 = {**kw, **kw64}
     loss, stats = linear_grpo_loss(hidden, weight, targets, adv, tw, return_entropy=entropy, backend=backend,
                                    chunk_size=chunk_size, **kw)
     loss_ref, stats_ref = reference_linear_grpo_loss(h64, w64, targets, adv.double(), tw.double(),
-                                                     return_entropy=entropy, **kw)
-    grads = torch.autograd.grad(loss, (hidden, weight))
-    grads_ref = torch.autograd.grad(loss_ref, (h64, w64))
+                                                     return_entropy=entropy, **kw64)
+    grads = torch.autograd.grad(loss, leaves)
+    grads_ref = torch.autograd.grad(loss_ref, leaves64)
     counted = tw != 0
+    if kl_weights:
+        counted = counted | (kw["kl_token_weights"] != 0)
     errs = {
         "loss": rel_err(loss, loss_ref),
         "grad_hidden": rel_err(grads[0], grads_ref[0]),
@@ -73,7 +91,11 @@ def grpo_errors(shape: Shape, *, dtype, backend, old=True, beta=0.0, delta=None,
         "logprobs": rel_err(stats["logprobs"][counted], stats_ref["logprobs"][counted]),
         "skipped_logprobs_zero": float(stats["logprobs"][~counted].abs().max()) if (~counted).any() else 0.0,
     }
-    for key in ("clip_low_frac", "clip_high_frac", "kl_mean"):
+    if bias:
+        errs["grad_bias"] = rel_err(grads[2], grads_ref[2])
+        assert grads[2].dtype == dtype
+    assert stats.keys() - {"entropy"} == stats_ref.keys() - {"entropy"}
+    for key in stats_ref.keys() - {"logprobs", "entropy"}:
         errs[key] = abs(stats[key].item() - stats_ref[key].item())
     if entropy:
         errs["entropy"] = rel_err(stats["entropy"][counted], stats_ref["entropy"][counted])

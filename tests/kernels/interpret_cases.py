@@ -20,7 +20,7 @@ from _cases import (
 )
 
 from benchmarks.harness import Shape, make_inputs, rel_err
-from fastgrpo.kernels import linear_grpo_loss, reference_linear_grpo_loss, reference_linear_logprobs
+from fastgrpo.kernels import linear_grpo_loss, linear_logprobs, reference_linear_grpo_loss, reference_linear_logprobs
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
@@ -332,3 +332,45 @@ def test_frozen_input_gets_no_gradient_and_no_buffer(backend, fn, chunk_size, fr
     # head neither exists. The gradient still taken is bit-identical to the full computation's.
     assert_frozen_skips_its_gradient(SHAPE, fn=fn, frozen=frozen, backend=backend, chunk_size=chunk_size, seed=30,
                                      beta=0.1)
+
+
+# ----------------------------------------- TRL 1.16's objectives, an lm_head bias (tests/kernels/test_objectives.py)
+
+OBJECTIVE_CASES = [
+    dict(policy_loss="cispo", epsilon_high=1.1, bias=True, kl_weights=True, beta=0.1, use_bias_correction_kl=True),
+    dict(policy_loss="sapo", bias=True, temperature=0.7, entropy=True),
+    dict(policy_loss="clip", bias=True, beta=0.05, delta=1.3, kl_weights=True),
+]
+OBJECTIVE_IDS = ["cispo-bias-klweights-biascorr", "sapo-bias-temperature", "clip-bias-klweights"]
+
+
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
+@pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=OBJECTIVE_IDS)
+def test_objectives_and_bias_match_reference(backend, case):
+    errs = grpo_errors(SHAPE, dtype=torch.float32, backend=backend, chunk_size=16, seed=21, zero_weight_frac=0.3,
+                       **case)
+    assert_small(errs, TOL)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
+def test_bf16_bias_and_sapo_match_reference(backend):
+    errs = grpo_errors(SHAPE, dtype=torch.bfloat16, backend=backend, chunk_size=16, seed=22, bias=True,
+                       policy_loss="sapo", beta=0.1, use_bias_correction_kl=True)
+    assert_small(errs, 2e-2, grad_tol=2e-2, stat_tol=0.1)  # bf16 logits move a few ratios across the clip bounds
+
+
+def test_triton_gspo_with_objectives_and_bias_matches_reference():
+    errs = grpo_errors(SHAPE, dtype=torch.float32, backend="triton", chunk_size=16, seed=23, sequences=5, bias=True,
+                       policy_loss="cispo", epsilon_high=1.1, beta=0.1, use_bias_correction_kl=True, kl_weights=True)
+    assert_small(errs, TOL)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
+def test_logprobs_with_bias_match_reference(backend):
+    inp = make_inputs(SHAPE, dtype=torch.float32, seed=24)
+    bias = torch.randn(SHAPE.v, generator=torch.Generator().manual_seed(2)) * 2
+    h, w, t = inp["hidden"].detach(), inp["weight"].detach(), inp["targets"]
+    ref = reference_linear_logprobs(h.double(), w.double(), t, bias=bias.double(), temperature=0.9)
+    with torch.no_grad():  # cublas's log-probs are forward-only
+        logp = linear_logprobs(h, w, t, bias=bias, temperature=0.9, backend=backend, chunk_size=16)
+    assert rel_err(logp, ref) <= TOL

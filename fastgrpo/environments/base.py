@@ -1,0 +1,181 @@
+"""The Environment interface of multi-turn rollouts, the ENVIRONMENTS registry and loading of users' environments.
+
+An environment answers the model between its turns. One instance serves one trajectory:
+
+    env = factory.new()
+    first = env.reset(row)                 # the first user message, or None: the dataset's prompt as rendered
+    observation, reward, done = env.step(model_text)   # after every model turn
+
+``observation`` is a string (one message of role ``env.observation_role``), a list of chat messages (e.g. tool
+results), or None; ``reward`` a number or None (per-turn rewards reach the reward functions as the ``env_rewards``
+column); ``done`` ends the trajectory. The tools environment (:mod:`fastgrpo.environments.tools`) is one such
+environment. A user's environment is a subclass in a file, named in the config as ``path/to/file.py:ClassName``
+(instantiated with ``rollout.env.kwargs``), or registered with :func:`register_environment`.
+
+Environments run in the trainer process; randomness they need should come from the row (resume is bit-exact only
+when a step's environments behave the same when the step is run again). Tools run in worker processes.
+"""
+
+from __future__ import annotations
+
+import abc
+import difflib
+import hashlib
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+__all__ = ["ENV_REWARDS_COLUMN", "ENVIRONMENTS", "Environment", "EnvironmentFactory", "StepResult", "build_environment",
+           "register_environment", "step_result"]
+
+Observation = str | list[dict[str, Any]] | None
+
+ENV_REWARDS_COLUMN = "env_rewards"
+"""The reward keyword argument holding each trajectory's per-turn environment rewards (a list of floats)."""
+
+
+class StepResult(NamedTuple):
+    """A step's output once :func:`step_result` checked it."""
+
+    messages: list[dict[str, Any]]
+    """Chat messages to append (possibly none)."""
+    reward: float | None
+    """The turn's reward, if the environment gives one."""
+    done: bool
+    """The trajectory ended."""
+
+
+class Environment(abc.ABC):
+    """One trajectory's environment (see the module docstring)."""
+
+    observation_role: str = "user"
+    """The role of a string observation's message."""
+    tool_schemas: list[dict[str, Any]] = []
+    """JSON schemas of the tools the model may call, passed to the chat template's ``tools=``."""
+
+    def reset(self, row: dict[str, Any]) -> str | None:
+        """Start a trajectory on dataset ``row``: the first user message, or None (the dataset's prompt). Every
+        trajectory of one row must return the same (its G samples share the prompt)."""
+        return None
+
+    @abc.abstractmethod
+    def step(self, text: str) -> tuple[Observation, float | None, bool]:
+        """The environment's answer to the model's turn ``text``: ``(observation, reward, done)``."""
+
+    @classmethod
+    def step_many(cls, envs: list["Environment"], texts: list[str]) -> list[tuple[Observation, float | None, bool]]:
+        """Step several trajectories of this class at once (default: one by one). Override to batch the work
+        (the tools environment runs all the turn's tool calls in its worker pool together)."""
+        return [env.step(text) for env, text in zip(envs, texts)]
+
+
+def step_result(out: Any, env: Environment) -> StepResult:
+    """Check what ``env.step`` returned; ValueError naming the environment for anything but
+    ``(observation, reward, done)``."""
+    name = type(env).__name__
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise ValueError(f"environment {name}.step returned {out!r:.80}; expected (observation, reward, done)")
+    observation, reward, done = out
+    if observation is None:
+        messages = []
+    elif isinstance(observation, str):
+        messages = [{"role": env.observation_role, "content": observation}]
+    elif isinstance(observation, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                               and isinstance(m.get("role"), str) for m in observation):
+        messages = [dict(m) for m in observation]
+    else:
+        raise ValueError(f"environment {name}.step returned the observation {observation!r:.80}; expected a string, "
+                         "a list of chat messages ({'role': ..., 'content': str}) or None")
+    if reward is not None:
+        try:
+            reward = float(reward)
+        except (TypeError, ValueError):
+            raise ValueError(f"environment {name}.step returned the reward {reward!r:.40}; expected a number or "
+                             "None") from None
+        if not math.isfinite(reward):
+            raise ValueError(f"environment {name}.step returned the reward {reward}; rewards must be finite")
+    return StepResult(messages, reward, bool(done))
+
+
+class EnvironmentFactory:
+    """Makes one environment per trajectory for a run; holds what the environments share (a tool worker pool)."""
+
+    def __init__(self, cls: type[Environment], kwargs: dict[str, Any] | None = None) -> None:
+        self.cls, self.kwargs = cls, dict(kwargs or {})
+        self._counters: dict[str, list[float]] = {}
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return list(self.cls.tool_schemas)
+
+    def new(self) -> Environment:
+        return self.cls(**self.kwargs)
+
+    def count(self, name: str, value: float) -> None:
+        """Record one event's value under metric ``env/<name>``: a step logs the mean over its events for a name
+        that ends in ``_rate`` or ``_mean``, else their sum."""
+        self._counters.setdefault(name, []).append(float(value))
+
+    def take_counters(self) -> dict[str, list[float]]:
+        """The values recorded since the last call, by metric name; emptied."""
+        out, self._counters = self._counters, {}
+        return out
+
+    def close(self) -> None:
+        """Release what the environments share."""
+
+
+ENVIRONMENTS: dict[str, Callable[..., EnvironmentFactory]] = {}
+"""Environment name (the choices of rollout.env.name besides plugin files) -> ``builder(cfg: EnvConfig)`` returning
+an :class:`EnvironmentFactory`."""
+
+
+def register_environment(name: str) -> Callable:
+    """Class decorator: make ``name`` a valid ``rollout.env.name`` for an :class:`Environment` subclass (built with
+    ``rollout.env.kwargs``)."""
+
+    def deco(cls: type[Environment]) -> type[Environment]:
+        ENVIRONMENTS[name] = lambda cfg: EnvironmentFactory(cls, cfg.kwargs)
+        return cls
+
+    return deco
+
+
+def _load_class(spec: str) -> type[Environment]:
+    """``path/to/file.py:ClassName`` -> the class (the file is imported in this process, once per path)."""
+    path_str, _, attr = spec.rpartition(":")
+    path = Path(path_str).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"rollout.env.name={spec!r}: file {str(path)!r} does not exist")
+    mod_name = "fastgrpo_env_plugin_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    module = sys.modules.get(mod_name)
+    if module is None:
+        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[mod_name] = module
+        try:
+            loader_spec.loader.exec_module(module)
+        except (Exception, SystemExit) as e:
+            del sys.modules[mod_name]
+            raise ValueError(f"rollout.env.name={spec!r}: importing {str(path)!r} failed: {e!r}") from None
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        found = sorted(n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Environment)
+                       and v is not Environment)
+        raise ValueError(f"rollout.env.name={spec!r}: {attr!r} is not a fastgrpo.environments.Environment subclass "
+                         f"in {str(path)!r}; its environments: {found}")
+    return cls
+
+
+def build_environment(cfg: Any) -> EnvironmentFactory:
+    """The factory for ``rollout.env`` (an EnvConfig): a registered name or a plugin class."""
+    if ":" in cfg.name and cfg.name.rpartition(":")[0].endswith(".py"):
+        return EnvironmentFactory(_load_class(cfg.name), cfg.kwargs)
+    if cfg.name not in ENVIRONMENTS:
+        close = difflib.get_close_matches(cfg.name, list(ENVIRONMENTS), n=1)
+        raise ValueError(f"rollout.env.name: unknown environment {cfg.name!r}"
+                         f"{f' (did you mean {close[0]!r}?)' if close else ''}; known: {sorted(ENVIRONMENTS)} or "
+                         "'path/to/file.py:ClassName'")
+    return ENVIRONMENTS[cfg.name](cfg)
