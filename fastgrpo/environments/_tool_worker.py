@@ -22,10 +22,8 @@ import asyncio
 import contextlib
 import inspect
 import json
-import signal
 import sys
 import traceback
-from multiprocessing.connection import Connection
 from typing import Any
 
 from fastgrpo.environments.tools import cut
@@ -99,16 +97,13 @@ async def _await(awaitable: Any) -> Any:
 
 
 def main(argv: list[str]) -> None:
-    fd, parent_pid = int(argv[0]), int(argv[1])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from fastgrpo.rewards._worker import _die_with
+    from fastgrpo.rewards._worker import start_worker
 
-    _die_with(parent_pid)
+    conn = start_worker(argv)
+    # Imported after the watchdog starts, as in the reward worker.
     from fastgrpo.rewards.calls import CallFailure
     from fastgrpo.rewards.loader import resolve_spec
 
-    conn = Connection(fd)
     loop = asyncio.new_event_loop()
     tools: list[Any] = []
     while True:

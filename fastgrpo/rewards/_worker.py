@@ -47,16 +47,22 @@ def _die_with(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="fastgrpo-reward-watchdog").start()
 
 
-def main(argv: list[str]) -> None:
+def start_worker(argv: list[str]) -> Connection:
+    """A pool worker's start-up (this one's and the tool worker's): ignore SIGINT/SIGTERM (the pool ends its
+    workers), die with the parent, and return the pipe to it (``argv``: its file descriptor, the parent's pid)."""
     fd, parent_pid = int(argv[0]), int(argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with(parent_pid)
+    return Connection(fd)
+
+
+def main(argv: list[str]) -> None:
+    conn = start_worker(argv)
     # Imported after the watchdog starts: a parent killed while they load must still take this process with it.
     from fastgrpo.rewards.calls import CallFailure, call, gather, is_async, own_copy
     from fastgrpo.rewards.loader import resolve_spec
 
-    conn = Connection(fd)
     loop = asyncio.new_event_loop()
     funcs = []
     everything = (BaseException,)

@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import hashlib
 import inspect
+from copy import deepcopy
 from typing import Iterable, Iterator
 
 import torch
@@ -93,7 +94,7 @@ def decode_copy(model: nn.Module) -> tuple[nn.Module, list[torch.Tensor], list[t
         memo.update({id(b): b for b in model.buffers()})
         if hasattr(model, "packed_forward"):  # the trainer's bound method: the copy only decodes
             memo[id(model.packed_forward)] = None
-        copy = __import__("copy").deepcopy(model, memo)
+        copy = deepcopy(model, memo)
     if getattr(copy, "packed_forward", 0) is None:
         del copy.packed_forward
     copy.autocast_dtype = None
