@@ -177,15 +177,16 @@ class FastGRPOSide:
 
     def __init__(self, model_dir: Path, *, loss_type: str, max_completion_length: int, lr: float,
                  device: torch.device, microbatch_tokens: int | None):
-        from fastgrpo.config import GRPOConfig, ModelConfig, ParallelConfig, RolloutConfig
+        from fastgrpo.config import GRPOConfig, ModelConfig, OptimConfig, ParallelConfig, RolloutConfig
+        from fastgrpo.optim import build_adamw
         from fastgrpo.model import load_model
         from fastgrpo.parallelize import parallelize_model
 
         model = load_model(ModelConfig(name_or_path=str(model_dir), dtype="float32"), device=device,
                            dtype=torch.float32)
         self.model = parallelize_model(model, ParallelConfig(), device=device, world_size=1)
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr,
-                                           betas=(0.9, 0.99), weight_decay=0.0, foreach=True)  # as fastgrpo.loop
+        self.optimizer = build_adamw([p for p in self.model.parameters() if p.requires_grad],  # as fastgrpo.loop
+                                     OptimConfig(lr=lr, betas=[0.9, 0.99], weight_decay=0.0), device)
         self.grpo = GRPOConfig(loss_type=loss_type, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
                                max_tokens_per_microbatch=microbatch_tokens)
         self.rollout = RolloutConfig(max_completion_length=max_completion_length)

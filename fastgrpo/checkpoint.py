@@ -229,8 +229,22 @@ def _load_model_optim(path: Path, folder: str, model: torch.nn.Module, optimizer
     check_same_model(path, model_sd, folder)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / folder))
+    # How the optimizer steps (foreach / fused) is this run's choice (optim.implementation may change on resume),
+    # but loading a state dict copies the saving run's param-group flags over it
+    flags = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_options(model, strict=not is_lora(model)))
+    for group, own in zip(optimizer.param_groups, flags):
+        group.update(own)
+        # fused and capturable steps keep each step count on the parameter's device, the others on the host
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            st = optimizer.state.get(p, {})
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].to(device=p.device if on_device else "cpu", dtype=torch.float32)
+
+
+_IMPL_FLAGS = ("foreach", "fused", "capturable")
 
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -32,6 +32,7 @@ from fastgrpo.metrics import RunLog, drop_records_after
 from fastgrpo.lora import apply_lora, check_peft_available, trainable_parameters
 from fastgrpo.memory import set_malloc_mmap_threshold
 from fastgrpo.model import check_plain_head, load_model, resolve_model_path
+from fastgrpo.optim import build_adamw
 from fastgrpo.parallelize import autocast_dtype, parallelize_model, uses_fsdp
 
 # Test hook: SIGKILL this process in the middle of the given step (GRPO: after its rollout, before its update; SFT:
@@ -146,10 +147,9 @@ class TrainingLoop:
             model = apply_lora(model, cfg.model.lora)
         self.model = parallelize_model(model, cfg.parallel, device=self.device, world_size=self.world_size)
         o = cfg.optim
-        # foreach: a handful of multi-tensor ops per step for all parameters (torch's default on CUDA; on a CPU its
-        # default is a loop of several ops per parameter).
-        self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=o.lr, betas=tuple(o.betas),
-                                           weight_decay=o.weight_decay, foreach=True)
+        # optim.implementation 'auto': fused on CUDA (one pass over the weights and moments per step), foreach on a
+        # CPU (a handful of multi-tensor ops; torch's CPU default is a loop of several ops per parameter)
+        self.optimizer = build_adamw(trainable_parameters(self.model), o, self.device)
         self.total_updates = total_updates
         self.scheduler = build_scheduler(self.optimizer, warmup_steps=o.warmup_steps, total_steps=total_updates,
                                          schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)

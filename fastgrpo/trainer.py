@@ -28,6 +28,7 @@ from fastgrpo.loop import TrainingLoop, closes_on_error
 from fastgrpo.metrics import StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
 from fastgrpo.lora import AdapterDisabled, trainable_parameters
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
+from fastgrpo.optim import build_adamw
 from fastgrpo.parallelize import parallelize_model, uses_fsdp
 from fastgrpo.ppo import PPOBatch, ppo_update, total_updates
 from fastgrpo.rewards import RewardRunner, check_reward_columns
@@ -108,8 +109,7 @@ class Trainer(TrainingLoop):
             # already, or all bfloat16 by model.dtype (FSDP2 shards one dtype per unit)
             critic.get_output_embeddings().float()
         self.critic = parallelize_model(critic, cfg.parallel, device=self.device, world_size=self.world_size)
-        self.critic_optimizer = torch.optim.AdamW(trainable_parameters(self.critic), lr=cfg.ppo.critic_lr,
-                                                  betas=tuple(o.betas), weight_decay=o.weight_decay, foreach=True)
+        self.critic_optimizer = build_adamw(trainable_parameters(self.critic), o, self.device, lr=cfg.ppo.critic_lr)
         self.critic_scheduler = build_scheduler(self.critic_optimizer, warmup_steps=o.warmup_steps,
                                                 total_steps=total_updates(cfg.max_steps, cfg.ppo)[1],
                                                 schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)

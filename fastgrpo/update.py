@@ -243,10 +243,11 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
     if keep is not None:
         weights = weights * torch.repeat_interleave(keep.float(), lengths, output_size=n_tok)  # [N]
     weights = weights.to(device)
-    adv_seq = batch.advantages.float()  # [S]
+    adv_seq = batch.advantages.float()  # [S], on the CPU or already on the device (the caller's choice)
     if batch.sil_mask is not None:  # self-imitation: at ratio 1 the gradient of -(A + c) r is that of -(A + c) logp
-        adv_seq = adv_seq + grpo.sil_coef * batch.sil_mask.float()
-    adv = torch.repeat_interleave(adv_seq, lengths, output_size=n_tok).to(device)  # [N]
+        adv_seq = adv_seq + grpo.sil_coef * batch.sil_mask.to(adv_seq.device).float()
+    # lengths follow the advantages (a host-to-device copy, no sync), so either placement works
+    adv = torch.repeat_interleave(adv_seq, lengths.to(adv_seq.device), output_size=n_tok).to(device)  # [N]
     # One kernel path for the loss and the old / reference log-probs: exp(logp - old) is exactly 1 while the policy
     # has not moved. Sequence level (GSPO) needs a recompute path: 'auto' then picks triton on CUDA.
     sequence_level = grpo.importance_sampling_level == "sequence"

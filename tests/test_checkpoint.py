@@ -79,3 +79,41 @@ def test_a_full_disk_is_a_clear_error_and_leaves_the_last_checkpoint(tmp_path, m
         _save(tmp_path, 2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
     assert not (tmp_path / ".tmp_step_000002").exists()
+
+
+def test_resume_keeps_this_runs_adamw_implementation_and_steps_the_same(tmp_path):
+    """A foreach run resumed as fused (optim.implementation is resumable) steps fused, with the saved moments."""
+    import pytest
+
+    def trained(fused: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=not fused, fused=fused)
+        return model, opt
+
+    def one_step(model, opt, seed):
+        torch.manual_seed(seed)
+        model(torch.randn(5, 4)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    model, opt = trained(fused=False)
+    for s in range(3):
+        one_step(model, opt, s)
+    path = save_checkpoint(tmp_path, 3, model=model, optimizer=opt, trainer_state={"step": 3}, keep_last=1)
+    one_step(model, opt, 3)  # the uninterrupted run's 4th step, foreach
+
+    resumed, ropt = trained(fused=True)
+    load_checkpoint(path, model=resumed, optimizer=ropt)
+    assert ropt.param_groups[0]["fused"] is True and not ropt.param_groups[0]["foreach"]
+    assert ropt.state[resumed.weight]["step"].dtype == torch.float32
+    one_step(resumed, ropt, 3)
+    assert ropt.state[resumed.weight]["step"].item() == 4
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+    back, bopt = trained(fused=False)  # and fused -> foreach the other way round
+    path = save_checkpoint(tmp_path, 4, model=resumed, optimizer=ropt, trainer_state={"step": 4}, keep_last=1)
+    load_checkpoint(path, model=back, optimizer=bopt)
+    assert bopt.param_groups[0]["foreach"] is True and not bopt.param_groups[0]["fused"]
+    assert bopt.state[back.weight]["step"].device.type == "cpu"
+    assert bopt.state[back.weight]["exp_avg"] == pytest.approx(ropt.state[resumed.weight]["exp_avg"])

@@ -435,6 +435,11 @@ class OptimConfig:
     max_nonfinite_steps: int = 3
     """An update with a NaN/inf loss or gradient is skipped (counted in policy/skipped_updates); this many in a row
     stop the run with an error."""
+    implementation: Literal["auto", "fused", "foreach"] = "auto"
+    """How AdamW runs, not what it computes: 'fused' (one kernel pass over all parameters per step; torch's
+    ``fused=True``), 'foreach' (multi-tensor ops, a pass per arithmetic op), or 'auto': fused on CUDA, foreach
+    elsewhere (on a CPU the fused kernel rounds differently and stopped the LoRA toy task from learning). A resume
+    may change it."""
 
     def validate(self, p: str) -> None:
         # AdamW moves each weight by up to about lr per update whatever the gradient's scale, so a larger lr only
