@@ -190,7 +190,9 @@ def _profile_last(fn, spec: dict, step_of):
             table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
             shapes = prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=20,
                                                                         max_name_column_width=50)
-            (Path(spec["run_dir"]) / "profile.txt").write_text(f"{table}\n\nby input shape:\n{shapes}")
+            cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+            (Path(spec["run_dir"]) / "profile.txt").write_text(f"{table}\n\nby input shape:\n{shapes}"
+                                                                f"\n\nby self CPU time (dispatch):\n{cpu}")
 
     atexit.register(write)
 
