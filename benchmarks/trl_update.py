@@ -191,6 +191,19 @@ class FastGRPOSide:
                                max_tokens_per_microbatch=microbatch_tokens)
         self.rollout = RolloutConfig(max_completion_length=max_completion_length)
         self.device, self.batch = device, None
+        self.sized_tokens = None  # the trainer's CUDA default: sized from free memory at the first update
+
+    def _budget(self) -> int | None:
+        """As ``Trainer.microbatch_tokens``: None on a CPU or with --microbatch-tokens; else sized once."""
+        from fastgrpo.microbatch import auto_microbatch_tokens
+
+        if self.grpo.max_tokens_per_microbatch is not None or self.device.type != "cuda":
+            return None
+        if self.sized_tokens is None:
+            sizing = auto_microbatch_tokens(self.model, self.optimizer, device=self.device, compute_bytes=2)
+            self.sized_tokens = sizing.tokens
+            print(f"fastgrpo micro-batch budget: {sizing.describe()}", flush=True)
+        return self.sized_tokens
 
     def set_batch(self, batch: Batch) -> None:
         from fastgrpo.update import GRPOBatch
@@ -204,7 +217,8 @@ class FastGRPOSide:
 
         metrics = StepMetrics()
         grpo_update(self.model, self.batch, grpo=self.grpo, rollout=self.rollout, optimizer=optimizer,
-                    max_grad_norm=max_grad_norm, metrics=metrics, device=self.device)
+                    max_grad_norm=max_grad_norm, metrics=metrics, device=self.device,
+                    max_tokens_per_microbatch=self._budget())
         metrics.reduce()  # the trainer reads its metrics once per step
 
     def backward(self) -> None:
@@ -310,7 +324,8 @@ def _spread(xs: list[float], digits: int = 3) -> str:
 def markdown(report: dict) -> str:
     head = (f"{report['device']}, {report['dtype']}; model {report['shape']} (random weights), S = "
             f"{report['sequences']} sequences (G = {report['generations']}), loss {report['loss_type']}, TRL "
-            f"micro-batch {report['trl_micro_batch']}; gradient parity (one step, before clipping): max abs diff "
+            f"micro-batch {report['trl_micro_batch']} sequences, fastgrpo's {report['fastgrpo_microbatch_tokens']} "
+            f"tokens; gradient parity (one step, before clipping): max abs diff "
             f"{report['parity']['max_abs_diff']:.3g}, over the largest gradient {report['parity']['max_rel_diff']:.3g}"
             f"\n\n")
     lines = ["| batch | real tokens | TRL slots | padding | pairs | fastgrpo s | TRL s | fastgrpo / TRL, median "
@@ -357,12 +372,15 @@ def run(args, argv_text: str, root: Path, say=print) -> dict:
     say(f"gradient parity ({parity['parameters']} tensors): max abs diff {parity['max_abs_diff']:.3g}, over the "
         f"largest gradient {parity['max_rel_diff']:.3g}")
     res = measure(sides, batches, pairs=args.repeats, device=device, budget_s=args.budget_s, say=say)
+    from fastgrpo.update import microbatch_tokens
     report = {"command": argv_text, "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
               "device": torch.cuda.get_device_name() if device.type == "cuda"
               else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
               "dtype": "bf16 autocast, float32 weights" if device.type == "cuda" else "float32",
               "sequences": args.sequences, "generations": args.generations, "loss_type": args.loss_type,
               "trl_micro_batch": args.trl_micro_batch, "parity": parity, "versions": _versions(),
+              "fastgrpo_microbatch_tokens": args.microbatch_tokens or sides["fastgrpo"].sized_tokens
+              or microbatch_tokens(None, device),
               "batches": [{"name": b.name, "real_tokens": b.real_tokens, "padded_slots": b.padded_slots,
                            "padding_frac": b.padding_frac, **res[b.name]} for b in batches]}
     out = Path(args.out)

@@ -29,7 +29,8 @@ from fastgrpo.metrics import StepMetrics, Timer, add_throughput, device_peak_flo
 from fastgrpo.lora import AdapterDisabled, trainable_parameters
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
 from fastgrpo.optim import build_adamw
-from fastgrpo.parallelize import parallelize_model, uses_fsdp
+from fastgrpo.microbatch import auto_microbatch_tokens
+from fastgrpo.parallelize import autocast_dtype, parallelize_model, uses_fsdp
 from fastgrpo.ppo import PPOBatch, ppo_update, total_updates
 from fastgrpo.rewards import RewardRunner, check_reward_columns
 from fastgrpo.rollout import EngineSetup, RolloutEngine, SamplingParams, build_engine
@@ -87,6 +88,7 @@ class Trainer(TrainingLoop):
             self.ref_model = parallelize_model(ref, cfg.parallel, device=self.device, world_size=self.world_size)
 
         self.peak_flops = device_peak_flops(self.device)
+        self._microbatch_tokens: int | None = None  # grpo.max_tokens_per_microbatch null on CUDA: sized at the 1st update
 
         self.prompt_cache: dict[int, tuple[str, list[int]]] = {}
         if engine is None:
@@ -242,7 +244,27 @@ class Trainer(TrainingLoop):
         grpo_update(self.model, batch, grpo=self.cfg.grpo, rollout=self.cfg.rollout, optimizer=self.optimizer,
                     scheduler=self.scheduler, max_grad_norm=self.cfg.optim.max_grad_norm, metrics=metrics,
                     device=self.device, ref_model=self.ref_model, pad_token_id=self.tokenizer.pad_token_id or 0,
-                    guard=self.guard)
+                    guard=self.guard, max_tokens_per_microbatch=self.microbatch_tokens())
+
+    def microbatch_tokens(self) -> int | None:
+        """The update's micro-batch token budget when ``grpo.max_tokens_per_microbatch`` is null on CUDA: sized once,
+        at the first update (the rollout engine and the reference model hold their memory by then), from the free
+        GPU memory (:func:`fastgrpo.microbatch.auto_microbatch_tokens`), the smallest over ranks. None otherwise: the
+        configured value, or the CPU default."""
+        if self.cfg.grpo.max_tokens_per_microbatch is not None or self.device.type != "cuda":
+            return None
+        if self._microbatch_tokens is None:
+            p = self.cfg.parallel
+            bf16 = autocast_dtype(p, self.device, self.world_size) is not None or (
+                uses_fsdp(p, self.device, self.world_size) and p.param_dtype != "float32")
+            compute_bytes = 2 if bf16 else next(self.model.parameters()).element_size()
+            sizing = auto_microbatch_tokens(self.model, self.optimizer, device=self.device,
+                                            compute_bytes=compute_bytes, checkpointing=p.activation_checkpointing)
+            self._microbatch_tokens = fdist.all_reduce_int(sizing.tokens, "min", device=self.device)
+            if self.is_main:
+                print(f"[fastgrpo] grpo.max_tokens_per_microbatch: null -> {self._microbatch_tokens} tokens per "
+                      f"micro-batch (this rank: {sizing.describe()}; set it to fix the budget)", flush=True)
+        return self._microbatch_tokens
 
     def sync_weights(self, metrics: StepMetrics) -> None:
         """Give the rollout engine the new policy weights (a no-op for an engine that shares the model)."""

@@ -212,8 +212,12 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
                 optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                 max_grad_norm: float, metrics: StepMetrics, device: torch.device | str,
                 ref_model: torch.nn.Module | None = None, pad_token_id: int = 0,
-                guard: NonFiniteGuard | None = None) -> list[MicroBatch]:
+                guard: NonFiniteGuard | None = None,
+                max_tokens_per_microbatch: int | None = None) -> list[MicroBatch]:
     """``grpo.num_iterations`` optimizer updates on one rollout batch; returns the micro-batches it ran.
+
+    ``max_tokens_per_microbatch``, when given, replaces ``grpo.max_tokens_per_microbatch`` (the trainer passes the
+    budget it sized from free GPU memory, :meth:`fastgrpo.trainer.Trainer.microbatch_tokens`).
 
     Token weights (``grpo.loss_type``) are normalised over the global batch (all ranks), so the summed gradient
     does not depend on the micro-batch budget or the world size. Old log-probs are computed once, before the first
@@ -231,7 +235,8 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
     # masked sequences leave the token normaliser (dapo), as in TRL
     counted = sum(model_lens) if keep is None else sum(n for n, k in zip(model_lens, keep.tolist()) if k)
     plan = plan_step(batch.prompt_ids, batch.completion_ids,
-                     microbatch_tokens(grpo.max_tokens_per_microbatch, device), device=device,
+                     max_tokens_per_microbatch or microbatch_tokens(grpo.max_tokens_per_microbatch, device),
+                     device=device,
                      pad_token_id=pad_token_id, counted_tokens=counted)
     mbs = plan.mbs
     counts = GlobalCounts(num_sequences=plan.num_sequences, num_tokens=plan.num_tokens,

@@ -314,7 +314,9 @@ class GRPOConfig:
     """Policy updates per rollout batch (mu); > 1 uses stored old log-probs."""
     max_tokens_per_microbatch: int | None = None
     """Token budget of one packed micro-batch; gradients are accumulated across micro-batches. None: 1024 on a CPU
-    (activations set host memory there, and smaller rows cost no speed: benchmarks/RESULTS.md), 4096 on CUDA."""
+    (activations set host memory there, and smaller rows cost no speed: benchmarks/RESULTS.md); on CUDA sized at the
+    first update from the free GPU memory, 4096 to 32768 tokens (fastgrpo.microbatch: each micro-batch costs a
+    trunk's worth of dispatched ops, so fewer, larger ones are faster), and printed. PPO's update keeps 4096."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """'token' (GRPO: one ratio per token) or 'sequence' (GSPO: exp(mean over the sequence of logp - old), shared by
     its tokens, clipped at sequence_epsilon_low / sequence_epsilon_high)."""
