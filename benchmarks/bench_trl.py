@@ -186,7 +186,9 @@ def _profile_last(fn, spec: dict, step_of):
         prof = _PROFILE["prof"]
         if prof is not None:
             prof.stop()
-            key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            # torch >= 2.4 names the device columns self_device_time_total (self_cuda_time_total sorted nothing on
+            # torch 2.11: the H100 tables of 2026-11-25/26 came out in call order)
+            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
             shapes = prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=20,
                                                                         max_name_column_width=50)
@@ -208,6 +210,8 @@ def _profile_last(fn, spec: dict, step_of):
         try:
             return fn(self_or_first, *args, **kwargs)
         finally:
+            if torch.cuda.is_available():  # the GPU's records of this call are in before its collection pauses
+                torch.cuda.synchronize()
             _PROFILE["prof"].toggle_collection_dynamic(False, _PROFILE["prof"].activities)
 
     return wrapped
