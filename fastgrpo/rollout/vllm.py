@@ -266,7 +266,7 @@ class VLLMEngine(RolloutEngine):
         """
         start = time.perf_counter()
         if "weights" in self._sleeping:
-            self.llm.wake_up(tags=["weights"])
+            self._wake_up(["weights"])
             self._sleeping.discard("weights")
         sent = 0
         touched_embedding = False
@@ -296,7 +296,7 @@ class VLLMEngine(RolloutEngine):
 
         start = time.perf_counter()
         if "weights" in self._sleeping:
-            self.llm.wake_up(tags=["weights"])
+            self._wake_up(["weights"])
             self._sleeping.discard("weights")
         adapters = {name: t for name, t in iter_full_tensors(model) if ".lora_" in name}
         if self._lora_dir is None:
@@ -336,8 +336,16 @@ class VLLMEngine(RolloutEngine):
             return
         if self.sleep_level == 2 and not self._synced_since_sleep:
             raise RuntimeError("sleep_level=2 discarded the engine's weights: call update_weights() before wake()")
-        self.llm.wake_up(tags=sorted(self._sleeping))
+        self._wake_up(sorted(self._sleeping))
         self._sleeping.clear()
+
+    def _wake_up(self, tags: list[str]) -> None:
+        """vLLM's wake_up, after torch's allocator returned its cached blocks: the update's activations (their size
+        is chosen while the engine sleeps, fastgrpo.microbatch) stay cached in torch otherwise, and the engine's
+        weights and KV cache would not fit back."""
+        if self.on_cuda:
+            torch.cuda.empty_cache()
+        self.llm.wake_up(tags=tags)
 
     def _sleep_supported(self, what: str) -> bool:
         if self.sleep_level == 0:
