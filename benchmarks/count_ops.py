@@ -143,6 +143,8 @@ def count_fastgrpo(spec: dict, budget: int) -> dict:
 
     tree = fastgrpo_config(spec)
     tree["grpo"]["max_tokens_per_microbatch"] = budget
+    # AdamW as on a GPU (optim.implementation auto: fused on CUDA; the CPU default is foreach), as TRL's is fused
+    tree["optim"]["implementation"] = "fused"
     path = Path(spec["run_dir"]) / "fastgrpo.yaml"
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
     # The decode loop checks for finished rows every step on a CPU (free there) and every 8 on a GPU: count the GPU's.
