@@ -40,11 +40,13 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # as such. Limits (s), in the order the steps run (priority order); expected times from the first H100 run
 # (2026-11-23) where known:
 #   set-up        -    wheels, fastgrpo importable, device line (~10 s)
-#   trl         300    bench_trl: both model folders first (the 0.5B one is built on the CPU), then a pair of each
+#   trl         220    bench_trl: both model folders first (the 0.5B one is built on the CPU), then a pair of each
 #                      work per round (0.5B shapes, then tiny), up to 3 rounds, 2 warm-up + 10 timed steps per run;
 #                      no pair starts that the work's previous pair says would end past limit - 15 s. Runs took
 #                      20-45 s with 3 steps, mostly start-up: expect 2 pairs of the 0.5B work and 1-2 of the tiny one
 #   update      150    bench_trl --update-only: the update alone, TRL padded vs fastgrpo packed, 64 sequences
+#   profile      80    bench_trl --profile at the 0.5B shapes, both sides: torch.profiler tables of one update, CPU and
+#                      CUDA time, printed into log.txt (why fastgrpo's small-batch update is 1.4x TRL's, 2026-11-26)
 #   decode       90    bench_rollout --hf-vs-generate: 8 prompts x 8 samples = 64 sequences, 3 rounds (~40 s)
 #   accuracy     30    kernel_accuracy, bf16 vs float64 (~15 s)
 #   pytest      150    kernels, packing, losses, decode tests on CUDA, 4 pytest-xdist workers (133 items took over
@@ -103,7 +105,7 @@ source benchmarks/gpu_env.sh || exit 2
 
 # -- 1. the verdict: fastgrpo vs TRL, the same GRPO work, alternated pairs (bench_trl.py's docstring) ---------------
 if python3 -c "import trl, datasets" 2>/dev/null; then
-  L=$(cap 300)
+  L=$(cap 220)
   step trl "$L" python3 benchmarks/bench_trl.py --works qwen0.5b-shape,tiny --repeats 3 --steps 10 --warmup 2 \
     --budget-s $((L - 15)) --run-timeout-s 120 ${BENCH_TRL_MODEL:+--model-path "$BENCH_TRL_MODEL"} \
     ${BENCH_FASTGRPO_ATTN:+--fastgrpo-attn "$BENCH_FASTGRPO_ATTN"} --out "$WORK/bench_trl"
@@ -114,6 +116,9 @@ if python3 -c "import trl, datasets" 2>/dev/null; then
   L=$(cap 150)
   step update "$L" python3 benchmarks/bench_trl.py --update-only --shape qwen2.5-0.5b --sequences 64 --repeats 3 \
     --budget-s $((L > 80 ? L - 40 : 40)) --out "$WORK/bench_trl_update"
+  step profile "$(cap 80)" bash -c "python3 benchmarks/bench_trl.py --works qwen0.5b-shape --profile --steps 2 \
+    --warmup 1 --run-timeout-s 35 --out '$WORK/p' && for f in '$WORK'/p-profile-*.txt; do echo \"== \$f\"; \
+    head -40 \"\$f\"; sed -n '/by self CPU time/,\$p' \"\$f\"; done"
 else
   unavailable trl "trl or datasets is not importable (carry their wheels in .whl/, see the top)"
   unavailable update "trl or datasets is not importable (carry their wheels in .whl/, see the top)"
