@@ -316,7 +316,8 @@ class GRPOConfig:
     """Token budget of one packed micro-batch; gradients are accumulated across micro-batches. None: 1024 on a CPU
     (activations set host memory there, and smaller rows cost no speed: benchmarks/RESULTS.md); on CUDA sized at the
     first update from the free GPU memory, 4096 to 32768 tokens (fastgrpo.microbatch: each micro-batch costs a
-    trunk's worth of dispatched ops, so fewer, larger ones are faster), and printed. PPO's update keeps 4096."""
+    trunk's worth of dispatched ops, so fewer, larger ones are faster), and printed; a resume sizes it again (the
+    sum of the gradients does not depend on it, its rounding does). PPO's update keeps 4096."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """'token' (GRPO: one ratio per token) or 'sequence' (GSPO: exp(mean over the sequence of logp - old), shared by
     its tokens, clipped at sequence_epsilon_low / sequence_epsilon_high)."""
