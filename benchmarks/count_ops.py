@@ -152,6 +152,8 @@ def count_fastgrpo(spec: dict, budget: int) -> dict:
 
     hf_engine.finish_check_every = lambda device: 8
     trainer = Trainer(load_config(path, [], cls=TrainConfig))
+    if spec.get("autocast_bf16"):  # one plain CUDA rank's mixed precision (float32 masters, bf16 autocast), on the CPU
+        trainer.model.autocast_dtype = torch.bfloat16
     try:
         for _ in range(spec["warmup"]):
             trainer.train_step()
@@ -192,7 +194,10 @@ def count_trl(spec: dict, micro_batch: int) -> dict:
 
     spec = {**spec, "trl_micro_batch": micro_batch}
     funcs = [REWARDS[name] for name in spec["shared"]["rewards"]] + [spread_reward]
-    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=funcs, args=GRPOConfig(**trl_config(spec)),
+    args = trl_config(spec)
+    if spec.get("autocast_bf16"):  # TRL's bf16=True (accelerate's autocast), as on a GPU
+        args["bf16"] = True
+    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=funcs, args=GRPOConfig(**args),
                           train_dataset=datasets.load_dataset("json", data_files=spec["prompts_file"], split="train"),
                           processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]))
     counter = OpCounter()
@@ -325,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fastgrpo-attn", default=None,
                     help="fastgrpo's model.attn_implementation (default: peer_work's, auto). 'sdpa' gives one attention "
                          "call per layer over the packed row, as torch_varlen does on CUDA: the launch proxy for a GPU")
+    ap.add_argument("--autocast-bf16", action="store_true",
+                    help="both sides in a GPU's mixed precision: float32 weights, bf16 autocast (fastgrpo's one plain "
+                         "CUDA rank, TRL's bf16=True); the casts autocast dispatches are then counted too")
     ap.add_argument("--workdir", default=None, help="model folders, prompts, runs (default: $FASTGRPO_CACHE or "
                                                     "~/.cache/fastgrpo, under count-ops/)")
     ap.add_argument("--run-timeout-s", type=float, default=1800)
@@ -356,11 +364,14 @@ def main(argv: list[str] | None = None) -> int:
         for side in sides:
             for setting in settings[side]:
                 run = run_child(side, {**spec, "run_dir": str(root / "runs" / name / side),
-                                       **({"fastgrpo_attn": args.fastgrpo_attn} if args.fastgrpo_attn else {})},
+                                       **({"fastgrpo_attn": args.fastgrpo_attn} if args.fastgrpo_attn else {}),
+                                       "autocast_bf16": args.autocast_bf16},
                                 setting, args.run_timeout_s)
                 label = f"{setting} tokens" if side == "fastgrpo" else f"{setting} sequences"
                 if side == "fastgrpo" and args.fastgrpo_attn:
                     label += f", {args.fastgrpo_attn}"
+                if args.autocast_bf16:
+                    label += ", bf16 autocast"
                 results.append({"work": name, "side": side, "setting": setting, **run})
                 rows.append(_row(name, side, label, run))
                 print(rows[-1], file=sys.stderr, flush=True)
