@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,20 @@ WARM_RECIPES: dict[str, list[str]] = {
 """Warm model name (``tiny:<name>``) -> ``fastgrpo.sft`` overrides of its recipe."""
 
 
+_LATER_KEYS = (("optim", "implementation", "auto"),)
+"""(section, key, value): config keys added after warm models were first cached, whose value here reproduces what
+the builds did before the key existed; left out of the cache key while they hold that value."""
+
+
+def _die_with_parent() -> None:  # subprocess preexec_fn: the build stops when its caller dies (Linux)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def recipe_config(name: str):
     """The resolved SFTConfig of recipe ``name`` (ValueError for an unknown name)."""
     if name not in WARM_RECIPES:
@@ -88,6 +103,11 @@ def warm_folder(name: str, cache_dir: str | Path | None = None) -> Path:
     resolved = to_dict(recipe_config(name))
     for key in ("name", "output_dir"):  # where the build runs does not change what it builds
         resolved.pop(key)
+    # nor does how AdamW runs: keys added later with the build's old behaviour as their value leave the key (and
+    # every cached model) as it was; optim.implementation 'auto' is foreach on the build's CPU, as before it existed
+    for section, key, old in _LATER_KEYS:
+        if resolved.get(section, {}).get(key) == old:
+            resolved[section].pop(key)
     blob = json.dumps({"sft": resolved, "tiny": _RECIPE_VERSION, "warm": _WARM_VERSION}, sort_keys=True)
     digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
     return tiny_cache_root(cache_dir) / f"tiny-{name}-{digest}"
@@ -112,8 +132,12 @@ def build_warm(name: str, *, cache_dir: str | Path | None = None, overrides: lis
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
         if (final / "config.json").is_file():  # built by whoever held the lock before us
             return final
-        print(f"[fastgrpo] building the warm model tiny:{name} (first use only; about 1.5 minutes on 2 CPU cores) "
-              f"-> {final}", file=sys.stderr, flush=True)
+        steps = recipe_config(name).max_steps
+        print(f"[fastgrpo] building the warm model tiny:{name} (first use only: {steps} SFT steps, 2 to 10 minutes on "
+              f"2 CPU cores) -> {final}", file=sys.stderr, flush=True)
+        for stale in final.parent.glob(f".{final.name}.*"):  # a build killed before its cleanup (we hold the lock)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
         work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:
             env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
@@ -123,7 +147,7 @@ def build_warm(name: str, *, cache_dir: str | Path | None = None, overrides: lis
             env.update(OMP_NUM_THREADS=str(_BUILD_THREADS), MKL_NUM_THREADS=str(_BUILD_THREADS))
             cmd = [sys.executable, "-m", "fastgrpo.sft", *WARM_RECIPES[name], *overrides,
                    f"output_dir={work}", "name=build", "checkpoint.resume=never", "checkpoint.export_hf=true"]
-            done = subprocess.run(cmd, env=env)
+            done = subprocess.run(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             if done.returncode != 0:
                 raise RuntimeError(f"building the warm model tiny:{name} failed (exit {done.returncode}); "
                                    f"command: {' '.join(cmd)}")

@@ -15,14 +15,31 @@ from fastgrpo.data import build_datasets, problem_key
 
 def test_warm_model_is_built_once_by_its_recipe_and_keyed_by_its_hash(tmp_path, monkeypatch):
     # A stand-in budget (2 steps of 8) in a private cache: the full recipe takes minutes.
+    stale = tmp_path / f".{warm.warm_folder('countdown', tmp_path).name}.killed"  # a build killed mid-way
+    (stale / "build").mkdir(parents=True)
     path = warm.build_warm("countdown", cache_dir=tmp_path, overrides=["max_steps=2", "sft.batch_size=8",
                                                                         "data.num_train=32", "checkpoint.every=0"])
     assert path == warm.warm_folder("countdown", tmp_path) and (path / "model.safetensors").is_file()
+    assert not stale.exists()  # cleaned by the next build, under the lock
     assert warm.build_warm("countdown", cache_dir=tmp_path) == path  # cached: no second build
     monkeypatch.setitem(warm.WARM_RECIPES, "countdown", warm.WARM_RECIPES["countdown"] + ["optim.lr=1e-4"])
     assert warm.warm_folder("countdown", tmp_path) != path  # a changed recipe is another folder
     with pytest.raises(ValueError, match="tiny:countdown"):
         warm.recipe_config("nope")
+
+
+def test_keys_added_later_leave_the_cache_key_while_they_keep_the_old_behaviour(monkeypatch):
+    """optim.implementation (2026-11-26) is 'auto', foreach on the build's CPU, as the builds ran before it existed:
+    the folder stays the one already cached; another value is another folder."""
+    recipe = warm.WARM_RECIPES["countdown"]
+    before = warm.warm_folder("countdown")
+    # the key every cache has held since _WARM_VERSION w2 (2026-11-25): a change here rebuilds every user's warm
+    # models and moves the demo's starting point, so it is made on purpose (a new recipe or version), not by a new key
+    assert before.name == "tiny-countdown-fa3ddf570a72"
+    monkeypatch.setitem(warm.WARM_RECIPES, "countdown", recipe + ["optim.implementation=auto"])
+    assert warm.warm_folder("countdown") == before
+    monkeypatch.setitem(warm.WARM_RECIPES, "countdown", recipe + ["optim.implementation=fused"])
+    assert warm.warm_folder("countdown") != before
 
 
 def test_warm_model_weights_do_not_depend_on_the_callers_thread_count(tmp_path, monkeypatch):
