@@ -189,10 +189,11 @@ def _profile_last(fn, spec: dict, step_of):
             # torch >= 2.4 names the device columns self_device_time_total (self_cuda_time_total sorted nothing on
             # torch 2.11: the H100 tables of 2026-11-25/26 came out in call order)
             key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-            table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
+            averages = prof.key_averages()
+            table = averages.table(sort_by=key, row_limit=30, max_name_column_width=60)
             shapes = prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=20,
                                                                         max_name_column_width=50)
-            cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+            cpu = averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
             (Path(spec["run_dir"]) / "profile.txt").write_text(f"{table}\n\nby input shape:\n{shapes}"
                                                                 f"\n\nby self CPU time (dispatch):\n{cpu}")
 

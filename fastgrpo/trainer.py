@@ -27,9 +27,9 @@ from fastgrpo.loop import build_scheduler  # noqa: F401 (public here too)
 from fastgrpo.loop import TrainingLoop, closes_on_error
 from fastgrpo.metrics import StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
 from fastgrpo.lora import AdapterDisabled, trainable_parameters
+from fastgrpo.microbatch import auto_microbatch_tokens
 from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
 from fastgrpo.optim import build_adamw
-from fastgrpo.microbatch import auto_microbatch_tokens
 from fastgrpo.parallelize import autocast_dtype, parallelize_model, uses_fsdp
 from fastgrpo.ppo import PPOBatch, ppo_update, total_updates
 from fastgrpo.rewards import RewardRunner, check_reward_columns

@@ -29,7 +29,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 
 from fastgrpo.config import SFTConfig, load_config, to_dict
 from fastgrpo.model import register_model_source
+from fastgrpo.procs import die_with_parent
 from fastgrpo.tiny import _RECIPE_VERSION, tiny_cache_root
 
 __all__ = ["WARM_RECIPES", "build_warm", "recipe_config", "warm_folder"]
@@ -79,15 +79,6 @@ WARM_RECIPES: dict[str, list[str]] = {
 _LATER_KEYS = (("optim", "implementation", "auto"),)
 """(section, key, value): config keys added after warm models were first cached, whose value here reproduces what
 the builds did before the key existed; left out of the cache key while they hold that value."""
-
-
-def _die_with_parent() -> None:  # subprocess preexec_fn: the build stops when its caller dies (Linux)
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def recipe_config(name: str):
@@ -147,7 +138,8 @@ def build_warm(name: str, *, cache_dir: str | Path | None = None, overrides: lis
             env.update(OMP_NUM_THREADS=str(_BUILD_THREADS), MKL_NUM_THREADS=str(_BUILD_THREADS))
             cmd = [sys.executable, "-m", "fastgrpo.sft", *WARM_RECIPES[name], *overrides,
                    f"output_dir={work}", "name=build", "checkpoint.resume=never", "checkpoint.export_hf=true"]
-            done = subprocess.run(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            # the build dies with its caller (a killed run leaves no build running; its folder goes at the next one)
+            done = subprocess.run(cmd, env=env, preexec_fn=die_with_parent if sys.platform == "linux" else None)
             if done.returncode != 0:
                 raise RuntimeError(f"building the warm model tiny:{name} failed (exit {done.returncode}); "
                                    f"command: {' '.join(cmd)}")

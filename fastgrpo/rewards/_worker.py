@@ -27,14 +27,11 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+from fastgrpo.procs import die_with_parent
+
 
 def _die_with(parent_pid: int) -> None:
-    try:  # Linux: the kernel SIGKILLs us when the parent exits, even while a reward holds the GIL in C code
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    die_with_parent()  # Linux: the kernel SIGKILLs us when the parent exits, even while a reward holds the GIL in C
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(0)
 
