@@ -6,10 +6,14 @@ problems of 3 numbers from 1..9, each shown with one of its solutions, drawn at 
 as a bare equation (``sft.trace=answer``: an empty think block, then ``<answer>9*(9-8)</answer>``). It has learnt the
 answer format and solves some held-out problems; GRPO then improves it within minutes on a CPU.
 
+``tiny:countdown-tools`` (``configs/tiny-tools.yaml``, multi-turn with a calculator tool) starts from
+``tiny:countdown`` and adds 300 SFT steps on traces that call the calculator (``sft.trace=tool``).
+
 A recipe is a list of ``fastgrpo.sft`` overrides (registry ``WARM_RECIPES``). Its folder is
 ``<root>/tiny-<name>-<hash>``, the hash taken over the recipe's *resolved* config (every default included), the tiny
 model's recipe version and ``_WARM_VERSION``, so a changed recipe or default builds a new folder instead of reusing
-a stale one.
+a stale one. A recipe may start from another warm model (``model.name_or_path: tiny:<recipe>``, :func:`warm_base`):
+that one is built first, in the same cache, and its folder's key joins the hash.
 
 The build runs ``python -m fastgrpo.sft`` in a child process: on the CPU with ``_BUILD_THREADS`` (2) torch threads,
 since the CPU kernels' rounding depends on the thread count and the SFT amplifies it into another model (pinned, the
@@ -39,7 +43,7 @@ from fastgrpo.model import register_model_source
 from fastgrpo.procs import die_with_parent
 from fastgrpo.tiny import _RECIPE_VERSION, tiny_cache_root
 
-__all__ = ["WARM_RECIPES", "build_warm", "recipe_config", "warm_folder"]
+__all__ = ["WARM_RECIPES", "build_warm", "recipe_config", "warm_base", "warm_folder"]
 
 # Bump when the SFT code changes in a way the resolved config does not show (e.g. the trace writer).
 _WARM_VERSION = "w2"  # w2: AdamW with foreach=True (2026-11-25): other rounding, so another model
@@ -62,14 +66,16 @@ WARM_RECIPES: dict[str, list[str]] = {
         "max_steps=300", "optim.lr=2e-3", "optim.schedule=cosine", "optim.warmup_steps=20",
         "eval.every=-1", "checkpoint.every=100", "log.report_to=[jsonl]",
     ],
-    # tiny:countdown-tools (configs/tiny-tools.yaml): the same model and problems, traces that call the calculator tool
-    # (sft.trace=tool: sometimes a miss first, then a solution, each with the tool's answer, then the equation)
+    # tiny:countdown-tools (configs/tiny-tools.yaml): tiny:countdown (a staged start: it already writes equations from
+    # the problem's numbers), then traces on the same problems that call the calculator tool (sft.trace=tool: sometimes
+    # a miss first, then a solution, each with the tool's answer, then the equation). From tiny:medium, the same traces
+    # taught the call syntax but not the numbers: benchmarks/RESULTS.md, "Multi-turn tools demo".
     "countdown-tools": [
-        "model.name_or_path=tiny:medium", "model.dtype=float32", "device=cpu", "seed=1",
+        "model.name_or_path=tiny:countdown", "model.dtype=float32", "device=cpu", "seed=1",
         *COUNTDOWN_DATA, "data.num_train=1800",
         "sft.trace=tool", "sft.solution=random", "sft.batch_size=32", "sft.max_tokens_per_microbatch=2048",
         "sft.normalization=token",
-        "max_steps=300", "optim.lr=2e-3", "optim.schedule=cosine", "optim.warmup_steps=20",
+        "max_steps=300", "optim.lr=1e-3", "optim.schedule=cosine", "optim.warmup_steps=20",
         "eval.every=-1", "checkpoint.every=100", "log.report_to=[jsonl]",
     ],
 }
@@ -89,8 +95,24 @@ def recipe_config(name: str):
     return load_config(None, WARM_RECIPES[name], cls=SFTConfig)
 
 
+def warm_base(name: str, _seen: tuple[str, ...] = ()) -> str | None:
+    """The warm model recipe ``name`` starts from (``model.name_or_path: tiny:<other recipe>``), or None.
+
+    Such a base is built first, in the same cache, and its folder's key joins this recipe's, so a changed base
+    rebuilds what starts from it."""
+    base = recipe_config(name).model.name_or_path
+    if not base.startswith("tiny:") or base[len("tiny:"):] not in WARM_RECIPES:
+        return None
+    base = base[len("tiny:"):]
+    if base == name or base in _seen:
+        raise ValueError(f"warm recipe tiny:{name} starts from itself (through tiny:{base})")
+    warm_base(base, (*_seen, name))  # a longer cycle raises too
+    return base
+
+
 def warm_folder(name: str, cache_dir: str | Path | None = None) -> Path:
-    """Where recipe ``name`` is cached: the hash covers the resolved config and the tiny model's version."""
+    """Where recipe ``name`` is cached: the hash covers the resolved config, the tiny model's version and the key of
+    the warm model it starts from, if any."""
     resolved = to_dict(recipe_config(name))
     for key in ("name", "output_dir"):  # where the build runs does not change what it builds
         resolved.pop(key)
@@ -99,7 +121,11 @@ def warm_folder(name: str, cache_dir: str | Path | None = None) -> Path:
     for section, key, old in _LATER_KEYS:
         if resolved.get(section, {}).get(key) == old:
             resolved[section].pop(key)
-    blob = json.dumps({"sft": resolved, "tiny": _RECIPE_VERSION, "warm": _WARM_VERSION}, sort_keys=True)
+    key = {"sft": resolved, "tiny": _RECIPE_VERSION, "warm": _WARM_VERSION}
+    base = warm_base(name)
+    if base is not None:  # (only then: the keys of recipes from a plain tiny model stay as they were)
+        key["base"] = warm_folder(base).name
+    blob = json.dumps(key, sort_keys=True)
     digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
     return tiny_cache_root(cache_dir) / f"tiny-{name}-{digest}"
 
@@ -118,6 +144,9 @@ def build_warm(name: str, *, cache_dir: str | Path | None = None, overrides: lis
     final = warm_folder(name, cache_dir)
     if (final / "config.json").is_file():
         return final
+    base = warm_base(name)
+    # the base first (its own lock), in the same cache; the child loads it from its folder
+    start = [] if base is None else [f"model.name_or_path={build_warm(base, cache_dir=cache_dir)}"]
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
@@ -136,7 +165,7 @@ def build_warm(name: str, *, cache_dir: str | Path | None = None, overrides: lis
             # rounding differences into a different model (with a different GRPO gain), so every machine of the
             # same CPU family builds the same weights whatever its core count or the caller's OMP_NUM_THREADS.
             env.update(OMP_NUM_THREADS=str(_BUILD_THREADS), MKL_NUM_THREADS=str(_BUILD_THREADS))
-            cmd = [sys.executable, "-m", "fastgrpo.sft", *WARM_RECIPES[name], *overrides,
+            cmd = [sys.executable, "-m", "fastgrpo.sft", *WARM_RECIPES[name], *start, *overrides,
                    f"output_dir={work}", "name=build", "checkpoint.resume=never", "checkpoint.export_hf=true"]
             # the build dies with its caller (a killed run leaves no build running; its folder goes at the next one)
             done = subprocess.run(cmd, env=env, preexec_fn=die_with_parent if sys.platform == "linux" else None)

@@ -61,3 +61,26 @@ def test_the_demo_evaluates_on_problems_the_warm_models_sft_never_saw():
     assert len(held_out) >= 64
     held_out_keys = {problem_key(r) for r in held_out}
     assert held_out_keys.isdisjoint(problem_key(r) for r in sft_train + grpo_train)
+
+
+def test_a_recipe_from_another_warm_model_builds_that_first_and_follows_its_key(tmp_path, monkeypatch):
+    """tiny:countdown-tools starts from tiny:countdown: the base is built first in the same cache, the child starts
+    from its folder, and a changed base is another folder for what starts from it."""
+    assert warm.warm_base("countdown-tools") == "countdown" and warm.warm_base("countdown") is None
+    tools_before = warm.warm_folder("countdown-tools")
+    small = ["max_steps=2", "sft.batch_size=8", "data.num_train=32", "checkpoint.every=0"]
+    monkeypatch.setitem(warm.WARM_RECIPES, "countdown", warm.WARM_RECIPES["countdown"] + small)
+    assert warm.warm_folder("countdown-tools") != tools_before  # the base's key reaches it
+    monkeypatch.setitem(warm.WARM_RECIPES, "countdown-tools", warm.WARM_RECIPES["countdown-tools"] + small)
+    commands, run = [], warm.subprocess.run
+    monkeypatch.setattr(warm.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or run(cmd, **kw))
+    path = warm.build_warm("countdown-tools", cache_dir=tmp_path)
+    base = warm.warm_folder("countdown", tmp_path)
+    assert (base / "model.safetensors").is_file() and (path / "model.safetensors").is_file()
+    assert path.parent == base.parent == warm.tiny_cache_root(tmp_path)
+    # two builds, the base first; the second starts from the base's folder (not from the default cache's)
+    assert len(commands) == 2 and "sft.trace=answer" in commands[0] and "sft.trace=tool" in commands[1]
+    assert f"model.name_or_path={base}" in commands[1]
+    monkeypatch.setitem(warm.WARM_RECIPES, "loop", ["model.name_or_path=tiny:loop"])
+    with pytest.raises(ValueError, match="starts from itself"):
+        warm.warm_folder("loop")
