@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 COUNTS = ("problems", "correct", "with_call", "calls", "malformed", "with_second_call", "correct_confirmed",
           "correct_after_miss", "confirmed_not_answered")
@@ -34,6 +31,7 @@ def tool_use_counts(rows: list[dict[str, Any]], conversations: list[list[dict[st
     that follows it reads the row's target."""
     from fastgrpo.environments.tools import parse_qwen_tool_calls
     from fastgrpo.rewards.countdown import countdown_reward
+    from fastgrpo.rewards.format import last_answer
 
     if len(rows) != len(conversations):
         raise ValueError(f"{len(rows)} rows for {len(conversations)} conversations")
@@ -46,7 +44,7 @@ def tool_use_counts(rows: list[dict[str, Any]], conversations: list[list[dict[st
         # one tool message per call, in order (a malformed call gets an "Error: ..." message too)
         confirmed = {str((call.arguments or {}).get("expression", "")).strip()
                      for call, result in zip(calls, results) if call.error is None and result == str(row["target"])}
-        answer = (_ANSWER.findall(turns[-1]) or [""])[-1].strip() if turns else ""
+        answer = (last_answer(turns[-1]) or "").strip() if turns else ""  # the block the reward reads
         c["problems"] += 1
         c["correct"] += ok
         c["with_call"] += bool(calls)
