@@ -1,6 +1,6 @@
 """fastgrpo: GRPO-family RL trainer. The top-level kernels/ folder installs as the package fastgrpo.kernels."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="fastgrpo",
@@ -9,16 +9,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=[
-        "fastgrpo",
-        "fastgrpo.data",
-        "fastgrpo.rewards",
-        "fastgrpo.rollout",
-        "fastgrpo.integrations",
-        "fastgrpo.kernels",
-    ],
-    # kernels/ lives at the top level (so other trainers can vendor it) but imports as fastgrpo.kernels:
-    # the name `kernels` alone belongs to another PyPI package.
+    # Found, not listed: a hand-written list once left out fastgrpo.config and fastgrpo.environments
+    # (tests/test_packaging.py builds the wheel, installs it alone and runs it from outside the repo).
+    packages=[*find_packages(include=["fastgrpo", "fastgrpo.*"]),
+              *("fastgrpo." + p for p in find_packages(include=["kernels", "kernels.*"]))],
     package_dir={"fastgrpo.kernels": "kernels"},
     package_data={"fastgrpo": ["py.typed"]},
     # Ranges, not pins: the library must run on the torch a GPU machine already has (2.11, say).

@@ -3,7 +3,7 @@
 One policy update = forward, backward and AdamW step over a GRPO batch (B prompts x G completions). The same
 batch is run two ways on the same random-weight model:
 
-  packed  fastgrpo.packing: token-budget micro-batches, one [1, T] row each, no padding, lm_head on
+  packed  fastgrpo.models.packing: token-budget micro-batches, one [1, T] row each, no padding, lm_head on
           completion tokens only.
   padded  TRL's layout: micro-batches of --padded-batch sequences in batch order, prompts left-padded and
           completions right-padded to the longest in the micro-batch, [B, Lmax] with an attention mask.
@@ -49,10 +49,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
-from fastgrpo.metrics import device_peak_flops, update_flops  # noqa: E402
-from fastgrpo.attention import choose_attn_implementation  # noqa: E402
-from fastgrpo.model import packed_head_forward  # noqa: E402
-from fastgrpo.packing import pack, plan_microbatches  # noqa: E402
+from fastgrpo.runtime.metrics import device_peak_flops, update_flops  # noqa: E402
+from fastgrpo.models.attention import choose_attn_implementation  # noqa: E402
+from fastgrpo.models.loading import packed_head_forward  # noqa: E402
+from fastgrpo.models.packing import pack, plan_microbatches  # noqa: E402
 
 # Shapes of the public Qwen2.5 configs (random weights, nothing downloaded).
 MODEL_SHAPES = {
@@ -107,7 +107,7 @@ def countdown_lengths(num_prompts: int, generations: int, *, seed: int, quick: b
 def build_model(name: str, attn: str, device: torch.device, dtype: torch.dtype, seed: int):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from fastgrpo.attention import register_with_transformers
+    from fastgrpo.models.attention import register_with_transformers
 
     register_with_transformers()  # "sdpa_varlen"
 

@@ -39,7 +39,7 @@ SEEDS_DIST = dict(min_numbers=3, max_numbers=4, max_value=99)
 def _eval_on(model, tokenizer, rows, *, best_of_n: int, max_tokens: int, seed: int) -> dict[str, float]:
     """Greedy accuracy and best-of-n of ``model`` on Countdown ``rows``, rendered with the demo's template."""
     from fastgrpo.data import render_prompt
-    from fastgrpo.evaluate import evaluate
+    from fastgrpo.trainers.evaluate import evaluate
     from fastgrpo.rewards import REWARDS
     from fastgrpo.rollout.hf import HFEngine
 
@@ -55,8 +55,8 @@ def run_one(name: str, overrides: list[str], *, out: Path, seeds_rows: list[dict
 
     from fastgrpo.config import load_config
     from fastgrpo.data import problem_key
-    from fastgrpo.trainer import Trainer
-    from fastgrpo.warm import WARM_RECIPES, recipe_config
+    from fastgrpo.trainers.grpo import Trainer
+    from fastgrpo.trainers.warm import WARM_RECIPES, recipe_config
     from fastgrpo.data.countdown import countdown_splits
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"output_dir={out}", f"name={name}",
@@ -150,7 +150,7 @@ def main() -> None:
 
     from fastgrpo.config import load_config
     from fastgrpo.data.countdown import generate_problems
-    from fastgrpo.model import resolve_model_path
+    from fastgrpo.models.loading import resolve_model_path
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ def build_folder() -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN05), dtype=torch.bfloat16)
     model.save_pretrained(FOLDER)
-    from fastgrpo.tiny import build_tiny
+    from fastgrpo.models.tiny import build_tiny
 
     tiny = build_tiny(seed=0)
     for f in tiny.iterdir():
@@ -65,10 +65,10 @@ def run_update(lora: bool, steps: int, seq_len: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from fastgrpo.config import GRPOConfig, ParallelConfig, RolloutConfig
-    from fastgrpo.lora import apply_lora, trainable_parameters
-    from fastgrpo.metrics import StepMetrics
-    from fastgrpo.parallelize import parallelize_model
-    from fastgrpo.update import GRPOBatch, grpo_update
+    from fastgrpo.models.lora import apply_lora, trainable_parameters
+    from fastgrpo.runtime.metrics import StepMetrics
+    from fastgrpo.distributed.parallelize import parallelize_model
+    from fastgrpo.update.step import GRPOBatch, grpo_update
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(build_folder(), dtype=torch.float32, attn_implementation="sdpa")
@@ -99,12 +99,12 @@ def run_sync(adapter: bool, syncs: int, model: str) -> dict:
     seconds to decode 8 x 32 tokens afterwards."""
     from transformers import AutoModelForCausalLM
 
-    from fastgrpo.lora import apply_lora
+    from fastgrpo.models.lora import apply_lora
     from fastgrpo.rollout import SamplingParams
     from fastgrpo.rollout.vllm import VLLMEngine
 
     if model == "tiny":
-        from fastgrpo.tiny import build_tiny
+        from fastgrpo.models.tiny import build_tiny
 
         folder = build_tiny(seed=0)
     else:

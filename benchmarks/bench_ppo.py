@@ -4,7 +4,7 @@
     python benchmarks/bench_ppo.py --task countdown --seeds 0        # the demo's Countdown (configs/tiny.yaml)
     python benchmarks/bench_ppo.py --ppo ppo.critic_lr=3e-4          # overrides for the PPO runs only
 
-Each run is ``fastgrpo.trainer.Trainer`` with a shipped config (toy: ``configs/tiny-toy.yaml`` for GRPO,
+Each run is ``fastgrpo.trainers.grpo.Trainer`` with a shipped config (toy: ``configs/tiny-toy.yaml`` for GRPO,
 ``configs/tiny-ppo.yaml`` for PPO; countdown: ``configs/tiny.yaml`` for both, PPO adding ``algorithm=ppo`` and
 the ``--ppo`` overrides) at ``seed=<s>``, for ``--steps`` steps. The accuracy is the training reward (``reward/mean``:
 both tasks' rewards are 1 for a correct completion, else 0) averaged over a trailing window of ``--window`` steps;
@@ -32,9 +32,9 @@ CONFIGS = {"toy": {"grpo": "tiny-toy.yaml", "ppo": "tiny-ppo.yaml"},
 
 def run_one(task: str, algorithm: str, seed: int, *, steps: int, extra: list[str], out: Path) -> dict:
     """One training run; returns its per-step rewards and step times and its last evaluation."""
-    import fastgrpo.warm  # noqa: F401  (registers tiny:countdown)
+    import fastgrpo.trainers.warm  # noqa: F401  (registers tiny:countdown)
     from fastgrpo.config import load_config
-    from fastgrpo.trainer import Trainer
+    from fastgrpo.trainers.grpo import Trainer
 
     name = f"{task}-{algorithm}-seed{seed}"
     overrides = [f"output_dir={out}", f"name={name}", f"seed={seed}", f"max_steps={steps}", "checkpoint.resume=never",

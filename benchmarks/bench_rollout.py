@@ -47,7 +47,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingParams  # noqa: E402
-from fastgrpo.policy_state import iter_full_tensors  # noqa: E402
+from fastgrpo.models.policy_state import iter_full_tensors  # noqa: E402
 
 
 def device_name() -> str:
@@ -70,7 +70,7 @@ def random_model_folder(shape: dict, cache: Path) -> Path:
     """A random-weight Qwen2 folder with ``shape``, reusing the tiny model's tokenizer (ids < 263 only)."""
     from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
-    from fastgrpo.tiny import build_tiny
+    from fastgrpo.models.tiny import build_tiny
 
     out = cache / f"random-qwen2-{shape['hidden_size']}x{shape['num_hidden_layers']}"
     if (out / "config.json").is_file():
@@ -273,7 +273,7 @@ def main() -> None:
 
     from fastgrpo.rollout.hf import HFEngine
     from fastgrpo.rollout.vllm import VLLMEngine
-    from fastgrpo.tiny import build_tiny
+    from fastgrpo.models.tiny import build_tiny
 
     cuda = torch.cuda.is_available()
     dtype_name = args.dtype or ("bfloat16" if cuda else "float32")

@@ -63,9 +63,9 @@ def run_fastgrpo_child(spec: dict) -> None:
     import torch
     import yaml
 
-    from fastgrpo.attention import choose_attn_implementation
+    from fastgrpo.models.attention import choose_attn_implementation
     from fastgrpo.train import main as train_main
-    from fastgrpo.trainer import Trainer
+    from fastgrpo.trainers.grpo import Trainer
 
     run_dir, tree = Path(spec["run_dir"]), fastgrpo_config(spec)
     cfg = run_dir / "fastgrpo.yaml"
@@ -74,7 +74,7 @@ def run_fastgrpo_child(spec: dict) -> None:
     (run_dir / "child.json").write_text(json.dumps({"attn_implementation": attn}))  # first: the parent may kill us
     if spec.get("profile"):
         if not hasattr(Trainer, "policy_update"):
-            raise RuntimeError("--profile: fastgrpo.trainer.Trainer has no policy_update any more; point the "
+            raise RuntimeError("--profile: fastgrpo.trainers.grpo.Trainer has no policy_update any more; point the "
                                "profile hook in benchmarks/bench_trl.py at the trainer's update phase")
         Trainer.policy_update = _profile_last(Trainer.policy_update, spec, lambda self: self.step)
     cuda = torch.cuda.is_available()

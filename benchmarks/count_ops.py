@@ -137,9 +137,9 @@ def count_fastgrpo(spec: dict, budget: int) -> dict:
     import torch
     import yaml
 
-    import fastgrpo.trainer as trainer_module
+    import fastgrpo.trainers.grpo as trainer_module
     from fastgrpo.config import TrainConfig, load_config
-    from fastgrpo.trainer import Trainer
+    from fastgrpo.trainers.grpo import Trainer
 
     tree = fastgrpo_config(spec)
     tree["grpo"]["max_tokens_per_microbatch"] = budget

@@ -48,10 +48,10 @@ def main() -> int:
     args = p.parse_args()
     variants = [parse_variant(v) for v in args.variants]
 
-    from fastgrpo import distributed as fdist
+    from fastgrpo.distributed import groups as fdist
     from fastgrpo.config import TrainConfig, load_config
-    from fastgrpo.metrics import StepMetrics
-    from fastgrpo.trainer import Trainer
+    from fastgrpo.runtime.metrics import StepMetrics
+    from fastgrpo.trainers.grpo import Trainer
 
     libc = ctypes.CDLL("libc.so.6")
     cfg = load_config(args.config, ["checkpoint.overwrite=true", *args.overrides], cls=TrainConfig)

@@ -110,7 +110,11 @@ def instrument(sampler: PhaseSampler) -> None:
     """Wrap the phases of fastgrpo's step (module attributes, so every caller goes through the wrappers)."""
     import torch
 
-    from fastgrpo import loop, trainer, update
+    from fastgrpo.trainers import loop
+
+    from fastgrpo.trainers import grpo as trainer
+
+    from fastgrpo.update import step as update
 
     T = trainer.Trainer
     T.rollout = sampler.wrap(T.rollout, "rollout")
@@ -142,12 +146,12 @@ def main() -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
 
-    from fastgrpo import distributed as fdist
+    from fastgrpo.distributed import groups as fdist
     from fastgrpo.config import TrainConfig, load_config
 
     sampler = PhaseSampler(args.interval_ms / 1000).start()
     instrument(sampler)
-    from fastgrpo.trainer import Trainer
+    from fastgrpo.trainers.grpo import Trainer
 
     cfg = load_config(args.config, args.overrides, cls=TrainConfig)
     fdist.init_distributed(cfg.device)

@@ -33,7 +33,7 @@ class Work:
     """One side-by-side workload."""
 
     model: str
-    """'tiny' (fastgrpo.tiny), a SHAPES key (random weights, built here), or a local model folder."""
+    """'tiny' (fastgrpo.models.tiny), a SHAPES key (random weights, built here), or a local model folder."""
     prompts_per_step: int
     """B: prompts per optimizer step."""
     generations: int = 8
@@ -66,7 +66,7 @@ TRL runs torch's sdpa on padded rows. fastgrpo packs its micro-batches, and its 
 ``[T, T]`` block-causal mask per packed row (T = every token of the micro-batch, 5,376 on the tiny work), which
 sdpa's CPU kernel computes in full. Its ``"auto"`` resolves, on CPU, to ``"sdpa_varlen"`` (the same sdpa with
 ``is_causal``, once per sequence) and, on CUDA without flash-attn, to ``"torch_varlen"`` (torch's FlashAttention
-varlen kernel over the packed row; ``fastgrpo.attention.choose_attn_implementation``). bench_trl records the name it
+varlen kernel over the packed row; ``fastgrpo.models.attention.choose_attn_implementation``). bench_trl records the name it
 resolved to per run, and ``--fastgrpo-attn`` (spec key ``fastgrpo_attn``) names another."""
 
 
@@ -216,7 +216,7 @@ def build_model_folder(model: str, dest: Path, *, seed: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from fastgrpo.tiny import build_tiny
+    from fastgrpo.models.tiny import build_tiny
 
     tiny = build_tiny(seed=seed)
     src = tiny if model in ("tiny", *SHAPES) else Path(model)

@@ -58,11 +58,11 @@ def tool_use_counts(rows: list[dict[str, Any]], conversations: list[list[dict[st
 
 
 def run_model(model: str, *, config: str, problems: int, overrides: list[str]) -> dict[str, Any]:
-    import fastgrpo.warm  # noqa: F401  (registers tiny:countdown-tools)
+    import fastgrpo.trainers.warm  # noqa: F401  (registers tiny:countdown-tools)
     from fastgrpo.config import load_config
     from fastgrpo.environments.trajectory import reset_environments, run_trajectories
     from fastgrpo.rollout import SamplingParams
-    from fastgrpo.trainer import Trainer
+    from fastgrpo.trainers.grpo import Trainer
 
     cfg = load_config(config, [f"model.name_or_path={model}", "output_dir=/tmp/fastgrpo-tool-use", "name=probe",
                                "checkpoint.resume=never", "checkpoint.overwrite=true", "log.progress=false",

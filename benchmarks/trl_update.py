@@ -13,7 +13,7 @@ folder, ``peer_work.build_model_folder``):
             the S / per_device_train_batch_size micro-batches (its ``_prepare_inputs`` shuffles and splits the batch,
             its ``compute_loss`` runs the model with TRL's fused lm_head, its backward), gradient clipping, the
             optimizer's step, zeroed gradients. bf16 on CUDA as TRL's ``bf16=True``: float32 weights under autocast.
-  fastgrpo  ``fastgrpo.update.grpo_update`` on the same sequences, packed, with the model built as the trainer
+  fastgrpo  ``fastgrpo.update.step.grpo_update`` on the same sequences, packed, with the model built as the trainer
             builds it (``load_model`` float32, ``parallelize_model``: on one CUDA rank autocast to bf16 over float32
             masters; float32 on CPU) and the trainer's AdamW.
 
@@ -178,14 +178,14 @@ class FastGRPOSide:
     def __init__(self, model_dir: Path, *, loss_type: str, max_completion_length: int, lr: float,
                  device: torch.device, microbatch_tokens: int | None):
         from fastgrpo.config import GRPOConfig, ModelConfig, OptimConfig, ParallelConfig, RolloutConfig
-        from fastgrpo.optim import build_adamw
-        from fastgrpo.model import load_model
-        from fastgrpo.parallelize import parallelize_model
+        from fastgrpo.update.optim import build_adamw
+        from fastgrpo.models.loading import load_model
+        from fastgrpo.distributed.parallelize import parallelize_model
 
         model = load_model(ModelConfig(name_or_path=str(model_dir), dtype="float32"), device=device,
                            dtype=torch.float32)
         self.model = parallelize_model(model, ParallelConfig(), device=device, world_size=1)
-        self.optimizer = build_adamw([p for p in self.model.parameters() if p.requires_grad],  # as fastgrpo.loop
+        self.optimizer = build_adamw([p for p in self.model.parameters() if p.requires_grad],  # as fastgrpo.trainers.loop
                                      OptimConfig(lr=lr, betas=[0.9, 0.99], weight_decay=0.0), device)
         self.grpo = GRPOConfig(loss_type=loss_type, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
                                max_tokens_per_microbatch=microbatch_tokens)
@@ -195,7 +195,7 @@ class FastGRPOSide:
 
     def _budget(self) -> int | None:
         """As ``Trainer.microbatch_tokens``: None on a CPU or with --microbatch-tokens; else sized once."""
-        from fastgrpo.microbatch import auto_microbatch_tokens
+        from fastgrpo.update.microbatch import auto_microbatch_tokens
 
         if self.grpo.max_tokens_per_microbatch is not None or self.device.type != "cuda":
             return None
@@ -206,14 +206,14 @@ class FastGRPOSide:
         return self.sized_tokens
 
     def set_batch(self, batch: Batch) -> None:
-        from fastgrpo.update import GRPOBatch
+        from fastgrpo.update.step import GRPOBatch
 
         self.batch = GRPOBatch(prompt_ids=batch.prompts, completion_ids=batch.completions,
                                advantages=batch.advantages.to(self.device))
 
     def _update(self, optimizer, max_grad_norm: float) -> None:
-        from fastgrpo.metrics import StepMetrics
-        from fastgrpo.update import grpo_update
+        from fastgrpo.runtime.metrics import StepMetrics
+        from fastgrpo.update.step import grpo_update
 
         metrics = StepMetrics()
         grpo_update(self.model, self.batch, grpo=self.grpo, rollout=self.rollout, optimizer=optimizer,
@@ -372,7 +372,7 @@ def run(args, argv_text: str, root: Path, say=print) -> dict:
     say(f"gradient parity ({parity['parameters']} tensors): max abs diff {parity['max_abs_diff']:.3g}, over the "
         f"largest gradient {parity['max_rel_diff']:.3g}")
     res = measure(sides, batches, pairs=args.repeats, device=device, budget_s=args.budget_s, say=say)
-    from fastgrpo.update import microbatch_tokens
+    from fastgrpo.update.step import microbatch_tokens
     report = {"command": argv_text, "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
               "device": torch.cuda.get_device_name() if device.type == "cuda"
               else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",

@@ -15,9 +15,9 @@ import sys
 from typing import Any, Callable
 
 from fastgrpo.config import ConfigError, describe, load_config
-from fastgrpo import distributed as fdist
-from fastgrpo.errors import Preempted, RunError
-from fastgrpo.metrics import SINKS
+from fastgrpo.distributed import groups as fdist
+from fastgrpo.runtime.errors import Preempted, RunError
+from fastgrpo.runtime.metrics import SINKS
 
 
 def check_sinks(cfg: Any) -> None:

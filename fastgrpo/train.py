@@ -11,8 +11,8 @@ import sys
 from fastgrpo.cli import check_sinks, run_cli
 from fastgrpo.config import TrainConfig
 from fastgrpo.rollout import ENGINES
-from fastgrpo.trainer import Trainer
-from fastgrpo.warm import build_warm  # noqa: F401  (importing it registers the warm models, e.g. tiny:countdown)
+from fastgrpo.trainers.grpo import Trainer
+from fastgrpo.trainers.warm import build_warm  # noqa: F401  (importing it registers the warm models, e.g. tiny:countdown)
 
 
 def check_optional_extras(cfg: TrainConfig) -> None:

@@ -1,4 +1,4 @@
-"""One PPO update (``fastgrpo.ppo.ppo_update``, the trainer's own) of a tiny Qwen2 policy and its critic, shared by
+"""One PPO update (``fastgrpo.algorithms.ppo.ppo_update``, the trainer's own) of a tiny Qwen2 policy and its critic, shared by
 the single-process oracle and the FSDP2 workers of ``tests/test_ppo.py``.
 
 Run as a script once per rank with torchrun's environment set; rank 0 saves the gathered parameters to ``--out``.
@@ -17,14 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist_helpers import clean_name, problem, split_sequences, tiny_lora, tiny_qwen2  # noqa: E402
 
-from fastgrpo import distributed as fdist  # noqa: E402
+from fastgrpo.distributed import groups as fdist  # noqa: E402
 from fastgrpo.config import GRPOConfig, ParallelConfig, PPOConfig, RolloutConfig  # noqa: E402
 from fastgrpo.config import LoraConfig  # noqa: E402
-from fastgrpo.critic import apply_critic_lora, attach_value_head  # noqa: E402
-from fastgrpo.lora import AdapterDisabled  # noqa: E402
-from fastgrpo.metrics import StepMetrics  # noqa: E402
-from fastgrpo.parallelize import parallelize_model  # noqa: E402
-from fastgrpo.ppo import PPOBatch, ppo_update  # noqa: E402
+from fastgrpo.algorithms.critic import apply_critic_lora, attach_value_head  # noqa: E402
+from fastgrpo.models.lora import AdapterDisabled  # noqa: E402
+from fastgrpo.runtime.metrics import StepMetrics  # noqa: E402
+from fastgrpo.distributed.parallelize import parallelize_model  # noqa: E402
+from fastgrpo.algorithms.ppo import PPOBatch, ppo_update  # noqa: E402
 
 LR = 0.5
 PPO = PPOConfig(gamma=0.95, lam=0.9, kl_coef=0.05, num_ppo_epochs=2, vf_coef=0.5, cliprange_value=0.05)

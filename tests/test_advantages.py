@@ -1,6 +1,6 @@
 import torch
 
-from fastgrpo.advantages import compute_advantages
+from fastgrpo.algorithms.advantages import compute_advantages
 
 
 def test_group_centring_and_scaling():

@@ -2,7 +2,7 @@
 GSPO (sequence-level importance sampling), mask_truncated_completions, self-imitation on the k best of n, the
 top-entropy-quantile mask (DAPO's dynamic sampling: test_sampling.py).
 
-The update tests run ``fastgrpo.update.grpo_update`` (the trainer's) on a tiny Qwen2 with several micro-batches
+The update tests run ``fastgrpo.update.step.grpo_update`` (the trainer's) on a tiny Qwen2 with several micro-batches
 and compare the parameters after two SGD updates with an oracle: plain torch, one sequence at a time (no
 packing), with the float64-checked reference loss and token weights written out by hand."""
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 from dist_helpers import problem, tiny_qwen2
 
-from fastgrpo.advantages import self_imitation_mask
+from fastgrpo.algorithms.advantages import self_imitation_mask
 from fastgrpo.config import GRPOConfig, ParallelConfig, RolloutConfig
 from fastgrpo.kernels import reference_linear_grpo_loss, reference_linear_logprobs
-from fastgrpo.metrics import StepMetrics
-from fastgrpo.parallelize import parallelize_model
-from fastgrpo.update import GRPOBatch, entropy_mask, grpo_update
+from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.distributed.parallelize import parallelize_model
+from fastgrpo.update.step import GRPOBatch, entropy_mask, grpo_update
 
 LR = 0.5
 
@@ -144,7 +144,7 @@ def test_trainer_runs_with_every_algorithm_choice(tmp_path):
     import json
 
     from fastgrpo.config import load_config
-    from fastgrpo.trainer import Trainer
+    from fastgrpo.trainers.grpo import Trainer
 
     cfg = load_config(None, [
         "data.source=toy", "rewards.funcs=[toy_digit]", "device=cpu", "rollout.max_completion_length=3",

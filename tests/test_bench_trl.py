@@ -51,7 +51,7 @@ def test_trl_reads_the_same_settings(name, tmp_path):
 def test_suppress_eos_makes_eos_unreachable_at_unchanged_shapes(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from fastgrpo.tiny import build_tiny
+    from fastgrpo.models.tiny import build_tiny
 
     folder = build_tiny(cache_dir=tmp_path)
     eos = peer_work.eos_ids_of(folder)

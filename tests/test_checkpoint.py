@@ -2,7 +2,7 @@
 
 import torch
 
-from fastgrpo.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+from fastgrpo.distributed.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 
 
 def _save(tmp_path, step, keep_last=2, value=0.0):
@@ -63,7 +63,7 @@ def test_a_full_disk_is_a_clear_error_and_leaves_the_last_checkpoint(tmp_path, m
 
     import pytest
 
-    from fastgrpo.errors import DiskFullError
+    from fastgrpo.runtime.errors import DiskFullError
 
     _save(tmp_path, 1)
     real_save = torch.save

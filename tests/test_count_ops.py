@@ -5,8 +5,8 @@ from benchmarks import peer_work
 from benchmarks.count_ops import count_fastgrpo
 
 # the modules of the update layer; syncs elsewhere (attention, the CPU head kernels) are counted, not asserted here
-UPDATE_MODULES = ("fastgrpo/update.py", "fastgrpo/metrics.py", "fastgrpo/packing.py", "fastgrpo/guard.py",
-                  "fastgrpo/losses.py", "fastgrpo/advantages.py", "fastgrpo/episodes.py")
+UPDATE_MODULES = ("fastgrpo/update/step.py", "fastgrpo/runtime/metrics.py", "fastgrpo/models/packing.py", "fastgrpo/update/guard.py",
+                  "fastgrpo/algorithms/losses.py", "fastgrpo/algorithms/advantages.py", "fastgrpo/algorithms/episodes.py")
 
 
 def _own_syncs(result: dict) -> dict[str, float]:

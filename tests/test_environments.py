@@ -9,7 +9,7 @@ from fastgrpo.config import ConfigError, EnvConfig, ModelConfig, load_config
 from fastgrpo.environments import (Environment, ToolCall, ToolsFactory, build_environment, calculator,
                                    parse_qwen_tool_calls, step_result, tool_schemas)
 from fastgrpo.environments.trajectory import ObservationRenderer, ToolsTemplate, turn_seed
-from fastgrpo.model import load_tokenizer
+from fastgrpo.models.loading import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,7 +138,7 @@ def test_turn_seeds_are_fixed_by_the_step_seed_and_differ_between_turns():
 
 
 def test_the_guess_number_example_runs(tmp_path, monkeypatch):
-    from fastgrpo.trainer import Trainer
+    from fastgrpo.trainers.grpo import Trainer
 
     monkeypatch.chdir(ROOT)  # the example's paths are relative to the repository root
     cfg = load_config("examples/guess_number/config.yaml", [

@@ -4,7 +4,7 @@ from itertools import combinations
 
 import pytest
 
-from fastgrpo.evaluate import evaluate, majority_correct, pass_at_k, sample_metrics
+from fastgrpo.trainers.evaluate import evaluate, majority_correct, pass_at_k, sample_metrics
 from fastgrpo.rewards import REWARDS
 from fastgrpo.rewards.math_answer import answer_key
 from fastgrpo.rollout.base import Completion

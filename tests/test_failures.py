@@ -170,14 +170,14 @@ CASES = {  # case -> (file to write or None, its content, override (with {path})
 
 
 def _forbid_model_load(monkeypatch) -> None:
-    import fastgrpo.loop
-    import fastgrpo.model
-    import fastgrpo.trainer
+    import fastgrpo.trainers.loop
+    import fastgrpo.models.loading
+    import fastgrpo.trainers.grpo
 
     def no_model(*a, **k):
         raise AssertionError("the model must not load")
 
-    for module in (fastgrpo.model, fastgrpo.trainer, fastgrpo.loop):
+    for module in (fastgrpo.models.loading, fastgrpo.trainers.grpo, fastgrpo.trainers.loop):
         monkeypatch.setattr(module, "load_model", no_model, raising=False)
 
 
@@ -223,7 +223,7 @@ def test_9_a_plugin_returning_a_float_with_on_error_raise_is_a_one_line_error(tm
 
 
 def test_1_non_finite_updates_are_skipped_then_the_run_stops_naming_step_and_cause(tmp_path, capsys, monkeypatch):
-    import fastgrpo.episodes
+    import fastgrpo.algorithms.episodes
 
     # No reward can make the advantages non-finite any more (issue 24: too_large); stand in for any other cause.
     def infinite_advantages(*args, **kwargs):
@@ -231,8 +231,8 @@ def test_1_non_finite_updates_are_skipped_then_the_run_stops_naming_step_and_cau
         result.advantages.fill_(math.inf)
         return result
 
-    compute_advantages = fastgrpo.episodes.compute_advantages
-    monkeypatch.setattr(fastgrpo.episodes, "compute_advantages", infinite_advantages)
+    compute_advantages = fastgrpo.algorithms.episodes.compute_advantages
+    monkeypatch.setattr(fastgrpo.algorithms.episodes, "compute_advantages", infinite_advantages)
     rc = _main(tmp_path, "max_steps=5", "optim.max_nonfinite_steps=2", "checkpoint.every=1")
     assert rc == 1
     _one_line_error(capsys.readouterr().err, "step 2: 2 optimizer updates in a row had a non-finite gradient")
@@ -240,9 +240,9 @@ def test_1_non_finite_updates_are_skipped_then_the_run_stops_naming_step_and_cau
     assert [r["step"] for r in rows] == [1] and rows[0]["policy/skipped_updates"] == 1
     assert rows[0]["policy/grad_norm"] is None  # not finite: written as null (JSON has no NaN or Infinity)
     # the weights never moved: step 1's checkpoint holds the initial weights
-    from fastgrpo.checkpoint import load_checkpoint
+    from fastgrpo.distributed.checkpoint import load_checkpoint
     from fastgrpo.config import ModelConfig
-    from fastgrpo.model import load_model
+    from fastgrpo.models.loading import load_model
 
     model = load_model(ModelConfig(name_or_path="tiny"), device=torch.device("cpu"), seed=0)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -517,7 +517,7 @@ def test_24_7_a_second_run_in_the_same_folder_is_refused_naming_the_first_ones_p
 
 def test_24_8_a_reward_that_sigterms_the_trainer_stops_it_with_143_and_the_same_command_resumes(
         tmp_path, capsys, monkeypatch, signals_plugin):
-    from fastgrpo.checkpoint import list_checkpoints
+    from fastgrpo.distributed.checkpoint import list_checkpoints
 
     monkeypatch.setenv("FASTGRPO_TEST_MARKER", str(tmp_path / "marker"))
     command = ("max_steps=2", f"rewards.funcs=[{signals_plugin}:term_trainer_once]", "checkpoint.export_hf=true")

@@ -1,4 +1,4 @@
-"""FSDP2 with 2 gloo processes on CPU: the trainer's GRPO update (``fastgrpo.update.grpo_update``) gives the
+"""FSDP2 with 2 gloo processes on CPU: the trainer's GRPO update (``fastgrpo.update.step.grpo_update``) gives the
 single-process gradients and optimizer step.
 
 The loss uses global token weights, so world size 1 and 2 must give the same gradient; that also checks the
@@ -17,7 +17,7 @@ import torch
 import dist_helpers as dh  # tests/ is on sys.path (pytest rootdir-relative import)
 from _launch import run_ranks
 from fastgrpo.config import ParallelConfig
-from fastgrpo.parallelize import parallelize_model, transformer_blocks
+from fastgrpo.distributed.parallelize import parallelize_model, transformer_blocks
 
 pytest.importorskip("transformers")
 HELPER = Path(__file__).with_name("dist_helpers.py")

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from fastgrpo.config import load_config
-from fastgrpo.model import load_tokenizer
+from fastgrpo.models.loading import load_tokenizer
 from fastgrpo.rollout import Completion, RolloutEngine
-from fastgrpo.trainer import Trainer
+from fastgrpo.trainers.grpo import Trainer
 
 GOLDEN = Path(__file__).with_name("golden") / "policy_update.json"
 

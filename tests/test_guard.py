@@ -1,4 +1,4 @@
-"""fastgrpo.guard: a non-finite update is skipped and counted; too many in a row stop the run naming the step and
+"""fastgrpo.update.guard: a non-finite update is skipped and counted; too many in a row stop the run naming the step and
 the cause."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from fastgrpo.errors import NonFiniteError
-from fastgrpo.guard import NonFiniteGuard
-from fastgrpo.metrics import StepMetrics
+from fastgrpo.runtime.errors import NonFiniteError
+from fastgrpo.update.guard import NonFiniteGuard
+from fastgrpo.runtime.metrics import StepMetrics
 
 
 def test_the_guard_skips_non_finite_updates_and_names_the_advantages_the_advantages_when_they_overflowed():

@@ -16,7 +16,7 @@ import torch
 trl = pytest.importorskip("trl")
 
 from fastgrpo.integrations.trl import GRPOTrainer  # noqa: E402
-from fastgrpo.tiny import build_tiny  # noqa: E402
+from fastgrpo.models.tiny import build_tiny  # noqa: E402
 
 B, P, C = 4, 3, 6
 

@@ -1,4 +1,4 @@
-"""LoRA (fastgrpo.lora): adapter-only updates, the base model as reference, merged tensors, adapter checkpoints and
+"""LoRA (fastgrpo.models.lora): adapter-only updates, the base model as reference, merged tensors, adapter checkpoints and
 export. The 1-vs-2-rank FSDP2 check is in test_fsdp.py (test_lora_two_ranks_match_single_process)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import dist_helpers as dh  # tests/ is on sys.path (pytest rootdir-relative import)
-from fastgrpo import lora
+from fastgrpo.models import lora
 from fastgrpo.config import ConfigError, LoraConfig, ParallelConfig, load_config
-from fastgrpo.parallelize import parallelize_model
-from fastgrpo.policy_state import hf_name, iter_policy_tensors
-from fastgrpo.update import packed_logprobs, plan_packed
+from fastgrpo.distributed.parallelize import parallelize_model
+from fastgrpo.models.policy_state import hf_name, iter_policy_tensors
+from fastgrpo.update.step import packed_logprobs, plan_packed
 
 pytest.importorskip("peft")
 
@@ -64,8 +64,8 @@ def test_export_adapter_loads_with_peft_and_merged_with_transformers(lora_model,
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from fastgrpo import checkpoint as ckpt
-    from fastgrpo.model import load_tokenizer
+    from fastgrpo.distributed import checkpoint as ckpt
+    from fastgrpo.models.loading import load_tokenizer
 
     tok = load_tokenizer(load_config(None, ["model.name_or_path=tiny"]).model)
     dh.train_step(lora_model, list(range(dh.NUM_SEQS)), budget=25)
@@ -84,7 +84,7 @@ def test_export_adapter_loads_with_peft_and_merged_with_transformers(lora_model,
 
 
 def test_checkpoint_holds_adapters_and_their_optimizer_state_only(lora_model, tmp_path):
-    from fastgrpo import checkpoint as ckpt
+    from fastgrpo.distributed import checkpoint as ckpt
 
     opt = torch.optim.AdamW(lora.trainable_parameters(lora_model), lr=1e-2)
     lora_model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
@@ -163,7 +163,7 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted_lora_run(tmp_path):
 def test_lora_head_is_frozen_so_the_kernels_form_no_weight_gradient(lora_model, monkeypatch):
     # The tiny model ties lm_head to the input embedding, which LoRA freezes: the head op sees a weight without
     # requires_grad (so it allocates no [V, H] gradient, tests/kernels) and hidden states that need one.
-    from fastgrpo import update as update_mod
+    from fastgrpo.update import step as update_mod
 
     seen = []
     real = update_mod.linear_grpo_loss
@@ -204,8 +204,8 @@ def test_modules_to_save_train_the_norms_and_the_reference_keeps_the_originals(t
 
     from peft import PeftModel
 
-    from fastgrpo import checkpoint as ckpt
-    from fastgrpo.model import load_tokenizer
+    from fastgrpo.distributed import checkpoint as ckpt
+    from fastgrpo.models.loading import load_tokenizer
 
     tok = load_tokenizer(load_config(None, ["model.name_or_path=tiny"]).model)
     ckpt.export_hf(tmp_path / "final", model=model, tokenizer=tok)  # the peft folder holds the trained norms too
@@ -279,7 +279,7 @@ def pretrained_tiny(tmp_path_factory):
 
 
 def _lora_toy_rewards(base, tmp_path, sign: float) -> list[float]:
-    from fastgrpo.trainer import Trainer
+    from fastgrpo.trainers.grpo import Trainer
     from test_trainer import TOY, _rewards
 
     cfg = load_config(None, TOY + [f"output_dir={tmp_path}", f"name=lora{sign}", "max_steps=20",

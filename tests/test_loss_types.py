@@ -8,10 +8,10 @@ from dist_helpers import problem, tiny_qwen2
 
 from fastgrpo.config import ConfigError, GRPOConfig, ParallelConfig, RolloutConfig, load_config
 from fastgrpo.kernels import reference_linear_grpo_loss, reference_linear_logprobs
-from fastgrpo.losses import LOSS_TYPES, POLICY_LOSS_OF, GlobalCounts, token_weights
-from fastgrpo.metrics import StepMetrics
-from fastgrpo.parallelize import parallelize_model
-from fastgrpo.update import GRPOBatch, entropy_mask, grpo_update
+from fastgrpo.algorithms.losses import LOSS_TYPES, POLICY_LOSS_OF, GlobalCounts, token_weights
+from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.distributed.parallelize import parallelize_model
+from fastgrpo.update.step import GRPOBatch, entropy_mask, grpo_update
 
 LR = 0.5
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastgrpo.kernels import linear_grpo_loss
-from fastgrpo.losses import GlobalCounts, token_weights, truncated_importance_weights
+from fastgrpo.algorithms.losses import GlobalCounts, token_weights, truncated_importance_weights
 
 W = torch.tensor([[1.0], [0.0]])
 

@@ -1,5 +1,5 @@
-"""Host memory settings: freed tensors leave the process (fastgrpo.memory, the run's malloc_mmap_threshold), and
-the CPU's micro-batch budget (fastgrpo.update.microbatch_tokens)."""
+"""Host memory settings: freed tensors leave the process (fastgrpo.runtime.memory, the run's malloc_mmap_threshold), and
+the CPU's micro-batch budget (fastgrpo.update.step.microbatch_tokens)."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastgrpo.config import ConfigError, GRPOConfig, load_config
-from fastgrpo.memory import _glibc, set_malloc_mmap_threshold
+from fastgrpo.runtime.memory import _glibc, set_malloc_mmap_threshold
 
 glibc_only = pytest.mark.skipif(_glibc() is None, reason="glibc's malloc (Linux) only")
 
@@ -21,7 +21,7 @@ glibc_only = pytest.mark.skipif(_glibc() is None, reason="glibc's malloc (Linux)
 _PROBE = textwrap.dedent("""
     import ctypes, json, sys
     import torch
-    from fastgrpo.memory import set_malloc_mmap_threshold
+    from fastgrpo.runtime.memory import set_malloc_mmap_threshold
 
     class Info(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -77,7 +77,7 @@ def test_bad_thresholds():
 
 def test_the_run_sets_the_configured_threshold(tmp_path, monkeypatch):
     """The run's setting reaches malloc before the model loads (GRPO and SFT share TrainingLoop._init_run)."""
-    from fastgrpo import loop
+    from fastgrpo.trainers import loop
 
     seen = []
     monkeypatch.setattr(loop, "set_malloc_mmap_threshold", seen.append)
@@ -89,7 +89,7 @@ def test_the_run_sets_the_configured_threshold(tmp_path, monkeypatch):
 
 
 def test_microbatch_budget_defaults_per_device():
-    from fastgrpo.update import microbatch_tokens
+    from fastgrpo.update.step import microbatch_tokens
 
     assert GRPOConfig().max_tokens_per_microbatch is None
     assert microbatch_tokens(None, "cpu") == 1024 and microbatch_tokens(None, torch.device("cuda", 0)) == 4096
@@ -105,9 +105,9 @@ def test_the_cpu_update_packs_under_the_default_budget():
     from dist_helpers import tiny_qwen2
 
     from fastgrpo.config import ParallelConfig, RolloutConfig
-    from fastgrpo.metrics import StepMetrics
-    from fastgrpo.parallelize import parallelize_model
-    from fastgrpo.update import GRPOBatch, grpo_update
+    from fastgrpo.runtime.metrics import StepMetrics
+    from fastgrpo.distributed.parallelize import parallelize_model
+    from fastgrpo.update.step import GRPOBatch, grpo_update
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 100, (90,), generator=g).tolist() for _ in range(24)]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from benchmarks.op_counter import OpCounter
-from fastgrpo.metrics import StepMetrics, drop_records_after
+from fastgrpo.runtime.metrics import StepMetrics, drop_records_after
 
 
 def test_reduce_kinds():
@@ -56,7 +56,7 @@ def test_wandb_runs_offline_without_an_api_key(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    from fastgrpo.metrics import WandbSink
+    from fastgrpo.runtime.metrics import WandbSink
 
     sink = WandbSink("proj", "run", {"a": 1}, tmp_path)
     sink.write({"step": 3, "reward/mean": 0.5})

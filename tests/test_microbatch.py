@@ -1,4 +1,4 @@
-"""grpo.max_tokens_per_microbatch null on CUDA: the budget sized from free GPU memory (fastgrpo.microbatch)."""
+"""grpo.max_tokens_per_microbatch null on CUDA: the budget sized from free GPU memory (fastgrpo.update.microbatch)."""
 
 from types import SimpleNamespace
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from fastgrpo.microbatch import (CAP_TOKENS, FLOOR_TOKENS, activation_bytes_per_token, auto_microbatch_tokens,
+from fastgrpo.update.microbatch import (CAP_TOKENS, FLOOR_TOKENS, activation_bytes_per_token, auto_microbatch_tokens,
                                  pending_training_bytes)
 
 GiB = 2**30
@@ -88,9 +88,9 @@ def test_the_trainer_sizes_on_cuda_from_the_devices_readings():
 
 def test_the_trainer_sizes_once_on_cuda_and_leaves_an_explicit_budget_and_the_cpu_alone(monkeypatch, capsys):
     """Trainer.microbatch_tokens' wiring, without a GPU: the sizing function is replaced by one that counts calls."""
-    from fastgrpo import trainer as trainer_mod
+    from fastgrpo.trainers import grpo as trainer_mod
     from fastgrpo.config import load_config
-    from fastgrpo.microbatch import MicrobatchSizing
+    from fastgrpo.update.microbatch import MicrobatchSizing
 
     calls = []
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fastgrpo import attention as attention_lib
-from fastgrpo.attention import choose_attn_implementation
+from fastgrpo.models import attention as attention_lib
+from fastgrpo.models.attention import choose_attn_implementation
 from fastgrpo.config import ModelConfig
-from fastgrpo.model import (
+from fastgrpo.models.loading import (
     count_params,
     get_trunk_and_head,
     load_model,
@@ -20,7 +20,7 @@ from fastgrpo.model import (
     resolve_dtype,
     resolve_model_path,
 )
-from fastgrpo.tiny import build_tiny
+from fastgrpo.models.tiny import build_tiny
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # constructing a cuda device needs no GPU
 

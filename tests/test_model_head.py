@@ -1,4 +1,4 @@
-"""fastgrpo.model.check_plain_head: models whose logits are not ``hidden @ lm_head.weight.T`` are refused on the
+"""fastgrpo.models.loading.check_plain_head: models whose logits are not ``hidden @ lm_head.weight.T`` are refused on the
 training path.
 
 The fused lm_head kernels only see hidden states and the head weight. With Gemma-2's final logit softcapping (or
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from fastgrpo.config import load_config
-from fastgrpo.model import check_plain_head, load_model
-from fastgrpo.tiny import build_tiny
-from fastgrpo.trainer import Trainer
-from fastgrpo.update import packed_logprobs, plan_packed
+from fastgrpo.models.loading import check_plain_head, load_model
+from fastgrpo.models.tiny import build_tiny
+from fastgrpo.trainers.grpo import Trainer
+from fastgrpo.update.step import packed_logprobs, plan_packed
 
 pytest.importorskip("transformers.models.gemma2")
 
@@ -56,7 +56,7 @@ def trainer_cfg(path, tmp_path):
 def test_trainer_refuses_a_softcapped_gemma2_at_load(tmp_path, softcap, monkeypatch):
     path = tiny_gemma2(tmp_path / "gemma2", softcap)
     # The refusal comes at load, before any rollout or update.
-    monkeypatch.setattr("fastgrpo.trainer.parallelize_model",
+    monkeypatch.setattr("fastgrpo.trainers.grpo.parallelize_model",
                         lambda *a, **k: pytest.fail("the guard must run before the model is parallelized"))
     with pytest.raises(NotImplementedError, match=rf"final_logit_softcapping={softcap}"):
         Trainer(trainer_cfg(path, tmp_path))

@@ -8,14 +8,14 @@ from benchmarks.bench_rollout import TurnCap
 from fastgrpo.config import GRPOConfig, ModelConfig, ParallelConfig, RolloutConfig, load_config
 from fastgrpo.environments import Environment
 from fastgrpo.environments.trajectory import ObservationRenderer, run_trajectories
-from fastgrpo.metrics import StepMetrics
-from fastgrpo.model import load_model, load_tokenizer
-from fastgrpo.parallelize import parallelize_model
+from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.models.loading import load_model, load_tokenizer
+from fastgrpo.distributed.parallelize import parallelize_model
 from fastgrpo.rollout import Completion, RolloutEngine, SamplingParams
 from fastgrpo.rollout.hf import HFEngine
-from fastgrpo.sampling import concat_episodes, select_groups
-from fastgrpo.trainer import Trainer
-from fastgrpo.update import GRPOBatch, grpo_update, packed_logprobs, plan_packed
+from fastgrpo.algorithms.sampling import concat_episodes, select_groups
+from fastgrpo.trainers.grpo import Trainer
+from fastgrpo.update.step import GRPOBatch, grpo_update, packed_logprobs, plan_packed
 
 
 class CountingEnv(Environment):

@@ -11,11 +11,11 @@ from transformers import AutoModelForCausalLM
 from fastgrpo.config import ParallelConfig
 from fastgrpo.kernels import linear_logprobs
 from transformers import AutoTokenizer
-from fastgrpo.packing import pack
-from fastgrpo.parallelize import autocast_dtype, parallelize_model, uses_fsdp
+from fastgrpo.models.packing import pack
+from fastgrpo.distributed.parallelize import autocast_dtype, parallelize_model, uses_fsdp
 from fastgrpo.rollout import SamplingParams
 from fastgrpo.rollout.hf import HFEngine, decode_copy
-from fastgrpo.tiny import build_tiny
+from fastgrpo.models.tiny import build_tiny
 
 
 def test_one_cuda_rank_is_plain_with_autocast_and_fsdp_only_when_asked():
@@ -108,7 +108,7 @@ def test_torch_varlen_under_autocast_gets_the_autocast_dtype(monkeypatch):
     import sys
     import types
 
-    from fastgrpo.attention import _sdpa_per_sequence, _torch_varlen
+    from fastgrpo.models.attention import _sdpa_per_sequence, _torch_varlen
 
     seen = []
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fastgrpo.config import ConfigError, OptimConfig, RESUMABLE_KEYS, load_config
-from fastgrpo.optim import adamw_implementation, build_adamw
+from fastgrpo.update.optim import adamw_implementation, build_adamw
 
 
 def test_auto_is_fused_on_cuda_and_foreach_on_a_cpu():

@@ -8,7 +8,7 @@ import pytest
 
 from fastgrpo.config import DataConfig
 from fastgrpo.data import build_datasets, render_prompt
-from fastgrpo.episodes import reward_columns
+from fastgrpo.algorithms.episodes import reward_columns
 from fastgrpo.rewards import check_reward_columns, configure_rewards, load_reward_funcs, required_columns
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +114,7 @@ def test_reward_kwargs_bind_parameters_and_the_length_limit(tmp_path):
 
 
 def test_missing_reward_column_fails_before_any_model_loads(tmp_path, monkeypatch, capsys):
-    import fastgrpo.trainer as trainer_mod
+    import fastgrpo.trainers.grpo as trainer_mod
     from fastgrpo.train import main
 
     def no_model(*a, **k):

@@ -30,7 +30,7 @@ def test_built_wheel_contains_fastgrpo_kernels(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     wheel = next(tmp_path.glob("fastgrpo-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for f in ("fastgrpo/kernels/__init__.py", "fastgrpo/kernels/reference.py", "fastgrpo/trainer.py",
+    for f in ("fastgrpo/kernels/__init__.py", "fastgrpo/kernels/reference.py", "fastgrpo/trainers/grpo.py",
               "fastgrpo/rollout/base.py", "fastgrpo/data/countdown.py", "fastgrpo/rewards/countdown.py"):
         assert f in names, f
     assert not any(n.startswith("kernels/") for n in names)

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastgrpo.attention import ATTN_BACKENDS
-from fastgrpo.model import packed_head_forward
-from fastgrpo.packing import completion_offsets, pack, partition_balanced, plan_microbatches, split_to_count
+from fastgrpo.models.attention import ATTN_BACKENDS
+from fastgrpo.models.loading import packed_head_forward
+from fastgrpo.models.packing import completion_offsets, pack, partition_balanced, plan_microbatches, split_to_count
 
 transformers = pytest.importorskip("transformers")
 
@@ -186,7 +186,7 @@ def test_the_packed_forward_of_fastgrpos_varlen_backends_reads_nothing_back(attn
 def tiny_model(family: str, attn: str, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    from fastgrpo.attention import register_with_transformers
+    from fastgrpo.models.attention import register_with_transformers
 
     register_with_transformers()
 

@@ -5,9 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fastgrpo.config import ParallelConfig
-from fastgrpo.packing import pack
-from fastgrpo.parallelize import parallelize_model
-from fastgrpo.tiny import build_tiny
+from fastgrpo.models.packing import pack
+from fastgrpo.distributed.parallelize import parallelize_model
+from fastgrpo.models.tiny import build_tiny
 
 
 def _loss_and_grads(cfg: ParallelConfig):

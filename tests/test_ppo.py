@@ -14,10 +14,10 @@ import dist_helpers as dh
 import ppo_dist_helpers as pdh
 from _launch import run_ranks
 from fastgrpo.config import ConfigError, ParallelConfig, load_config
-from fastgrpo.critic import attach_value_head, is_value_model, packed_values, value_head_forward
-from fastgrpo.parallelize import parallelize_model
-from fastgrpo.ppo import clipped_value_loss, gae, mini_batches, token_rewards, whiten
-from fastgrpo.update import plan_step
+from fastgrpo.algorithms.critic import attach_value_head, is_value_model, packed_values, value_head_forward
+from fastgrpo.distributed.parallelize import parallelize_model
+from fastgrpo.algorithms.ppo import clipped_value_loss, gae, mini_batches, token_rewards, whiten
+from fastgrpo.update.step import plan_step
 from test_trainer import TOY, _first_token_digit_mass, _rewards
 
 # --------------------------------------------------------------------------------------------------- the maths
@@ -174,7 +174,7 @@ PPO_TOY = TOY + ["algorithm=ppo", "ppo.critic_lr=1e-2"]
 
 
 def _trainer(tmp_path: Path, name: str, *extra: str):
-    from fastgrpo.trainer import Trainer
+    from fastgrpo.trainers.grpo import Trainer
 
     return Trainer(load_config(None, PPO_TOY + [f"output_dir={tmp_path}", f"name={name}", *extra]))
 
@@ -191,7 +191,7 @@ def test_ppo_learns_the_toy_task(tmp_path):
 def test_flipped_advantage_sign_does_not_learn(tmp_path, monkeypatch):
     """Control for the test above: the same run with every token advantage negated (the critic still fits the true
     returns) drives the digit probability down."""
-    import fastgrpo.ppo as ppo
+    import fastgrpo.algorithms.ppo as ppo
 
     gae_ = ppo.gae
     monkeypatch.setattr(ppo, "gae", lambda *a, **k: (lambda a_r: (-a_r[0], a_r[1]))(gae_(*a, **k)))

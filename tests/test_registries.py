@@ -24,7 +24,10 @@ def _choice_fields(cls=C.TrainConfig, prefix=""):
 
 
 def _registries():
-    from fastgrpo import attention, kernels, losses, metrics, rewards, rollout
+    from fastgrpo import kernels, rewards, rollout
+    from fastgrpo.models import attention
+    from fastgrpo.algorithms import losses
+    from fastgrpo.runtime import metrics
     from fastgrpo.data import templates
 
     return {
@@ -47,10 +50,10 @@ def test_every_registry_field_lists_exactly_its_registry():
 
 
 def test_literal_choices_are_what_the_components_implement():
-    from fastgrpo.advantages import compute_advantages
-    from fastgrpo.model import resolve_dtype
-    from fastgrpo.parallelize import _DTYPES
-    from fastgrpo.trainer import build_scheduler
+    from fastgrpo.algorithms.advantages import compute_advantages
+    from fastgrpo.models.loading import resolve_dtype
+    from fastgrpo.distributed.parallelize import _DTYPES
+    from fastgrpo.trainers.grpo import build_scheduler
 
     for scale in C.choices(C.GRPOConfig, "scale_rewards"):
         compute_advantages(torch.tensor([0.0, 1.0, 1.0, 3.0]), 2, scale=scale)
@@ -81,7 +84,9 @@ def test_help_config_lists_the_choices_of_a_registry_field():
 
 def test_registering_a_name_in_one_place_makes_config_accept_it():
     """A new loss type, reward, rollout engine and attention backend: one registration each, here in the test."""
-    from fastgrpo import attention, losses, rewards, rollout
+    from fastgrpo import rewards, rollout
+    from fastgrpo.models import attention
+    from fastgrpo.algorithms import losses
     from fastgrpo.rollout import RolloutEngine
 
     new = ["grpo.loss_type=seq_mean", "rewards.funcs=[length_bonus]", "rollout.engine=scripted",

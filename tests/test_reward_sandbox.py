@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from fastgrpo.errors import RewardError
+from fastgrpo.runtime.errors import RewardError
 from fastgrpo.rewards import REWARDS, RewardRunner
 from fastgrpo.rewards.calls import CallFailure, to_values
 

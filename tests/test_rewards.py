@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _timing import timed
-from fastgrpo.errors import RewardError
+from fastgrpo.runtime.errors import RewardError
 from fastgrpo.rewards import (
     REWARDS,
     combine_rewards,

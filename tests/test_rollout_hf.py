@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fastgrpo.rollout.base import SamplingParams
 from fastgrpo.rollout.hf import HFEngine, sample_rows
-from fastgrpo.tiny import EOS_TOKEN, build_tiny
+from fastgrpo.models.tiny import EOS_TOKEN, build_tiny
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,8 @@ import torch
 
 from _launch import run_ranks
 from fastgrpo.rollout.base import SamplingParams
-from fastgrpo.losses import truncated_importance_weights as truncated_is_weights
-from fastgrpo.policy_state import clean_param_name, iter_full_tensors
+from fastgrpo.algorithms.losses import truncated_importance_weights as truncated_is_weights
+from fastgrpo.models.policy_state import clean_param_name, iter_full_tensors
 from fastgrpo.rollout.weight_sync import bucket_by_layer, layer_key
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -34,7 +34,7 @@ TOL = 2e-4  # float32 engine vs float32 transformers forward
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    from fastgrpo.tiny import build_tiny
+    from fastgrpo.models.tiny import build_tiny
 
     return build_tiny(seed=0, cache_dir=tmp_path_factory.mktemp("tiny"))
 
@@ -336,7 +336,7 @@ def test_truncated_importance_weights():
 def _lora_policy(tiny_path):
     pytest.importorskip("peft")
     from fastgrpo.config import LoraConfig
-    from fastgrpo.lora import apply_lora
+    from fastgrpo.models.lora import apply_lora
 
     torch.manual_seed(0)
     base = _hf_model(tiny_path)

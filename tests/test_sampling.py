@@ -1,14 +1,14 @@
-"""fastgrpo.sampling: DAPO's dynamic sampling refills the batch with groups whose rewards differ, sizes its extra
+"""fastgrpo.algorithms.sampling: DAPO's dynamic sampling refills the batch with groups whose rewards differ, sizes its extra
 rounds by the keep rate, and stops at its cap keeping what it has."""
 
 from __future__ import annotations
 
 import torch
 
-from fastgrpo.advantages import compute_advantages
-from fastgrpo.episodes import Episodes
-from fastgrpo.metrics import StepMetrics
-from fastgrpo.sampling import dynamic_sample, round_size
+from fastgrpo.algorithms.advantages import compute_advantages
+from fastgrpo.algorithms.episodes import Episodes
+from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.algorithms.sampling import dynamic_sample, round_size
 
 
 def _episodes(rewards_per_prompt: list[list[float]]) -> Episodes:

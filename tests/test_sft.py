@@ -9,11 +9,11 @@ import torch
 
 from _launch import assert_same_weights, run_cli
 from fastgrpo.config import ConfigError, load_config
-from fastgrpo.metrics import StepMetrics
-from fastgrpo.parallelize import parallelize_model
+from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.distributed.parallelize import parallelize_model
 from fastgrpo.config import ParallelConfig
 from fastgrpo.sft import SFTConfig, SFTTrainer
-from fastgrpo.update import sft_update
+from fastgrpo.update.step import sft_update
 
 BASE = ["model.name_or_path=tiny", "device=cpu", "log.progress=false", "eval.every=-1", "checkpoint.export_hf=false"]
 
@@ -41,7 +41,7 @@ def _unpadded_loss(model, prompts, completions, normalization: str) -> torch.Ten
 def test_packed_sft_gradient_equals_the_unpadded_per_sequence_one(normalization, rng):
     from transformers import AutoModelForCausalLM
 
-    from fastgrpo.tiny import build_tiny
+    from fastgrpo.models.tiny import build_tiny
 
     path = build_tiny(seed=3)
     packed = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
@@ -105,13 +105,13 @@ def test_sft_config_errors_name_the_field():
 def test_sft_resolves_a_differentiable_head_path(monkeypatch):
     """'auto' on CUDA picks cublas for the GRPO loss, whose log-probs have no backward: SFT must resolve as for
     log-probs (a recompute path). Checked through the resolver the update calls, with CUDA pretended."""
-    import fastgrpo.update as update
+    import fastgrpo.update.step as update
 
     seen = []
     monkeypatch.setattr(update, "resolve_backend", lambda b, d, needs_grad, **kw: seen.append(needs_grad) or "torch")
     from transformers import AutoModelForCausalLM
 
-    from fastgrpo.tiny import build_tiny
+    from fastgrpo.models.tiny import build_tiny
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny(seed=3), attn_implementation="sdpa")
     model = parallelize_model(model, ParallelConfig(), device="cpu", world_size=1)

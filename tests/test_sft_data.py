@@ -15,8 +15,8 @@ from fastgrpo.rewards.format import format_reward
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tmp_path_factory):
     from fastgrpo.config import ModelConfig
-    from fastgrpo.model import load_tokenizer
-    from fastgrpo.tiny import build_tiny
+    from fastgrpo.models.loading import load_tokenizer
+    from fastgrpo.models.tiny import build_tiny
 
     return load_tokenizer(ModelConfig(name_or_path=str(build_tiny(cache_dir=tmp_path_factory.mktemp("tiny")))))
 

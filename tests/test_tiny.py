@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fastgrpo import tiny
-from fastgrpo.tiny import CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, REASONING_TOKENS, SPECIAL_TOKENS, build_tiny
+from fastgrpo.models import tiny
+from fastgrpo.models.tiny import CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, REASONING_TOKENS, SPECIAL_TOKENS, build_tiny
 
 PRESETS = sorted(tiny.PRESETS)
 

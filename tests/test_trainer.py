@@ -11,7 +11,7 @@ import torch
 
 from _launch import assert_same_weights, run_cli
 from fastgrpo.config import load_config
-from fastgrpo.trainer import Trainer
+from fastgrpo.trainers.grpo import Trainer
 
 # The learning task: a prompt asks for a number; reward 1 when the completion starts with a digit. The random tiny
 # model starts well below 0.3 (a digit is ~10 of ~100 tokens), so a rise above 0.8 needs the sign of the policy

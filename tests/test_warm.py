@@ -1,4 +1,4 @@
-"""fastgrpo.warm: the embedded warm model is built by its SFT recipe (here with a stand-in budget), cached by its
+"""fastgrpo.trainers.warm: the embedded warm model is built by its SFT recipe (here with a stand-in budget), cached by its
 hash, the same whatever the caller's thread count, and the demo evaluates on problems its SFT never saw."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fastgrpo import warm
+from fastgrpo.trainers import warm
 from fastgrpo.config import load_config
 from fastgrpo.data import build_datasets, problem_key
 

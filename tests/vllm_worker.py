@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from fastgrpo.rollout.base import SamplingParams  # noqa: E402
 from fastgrpo.rollout.vllm import VLLMEngine  # noqa: E402
-from fastgrpo.policy_state import iter_full_tensors  # noqa: E402
-from fastgrpo.tiny import build_tiny  # noqa: E402
+from fastgrpo.models.policy_state import iter_full_tensors  # noqa: E402
+from fastgrpo.models.tiny import build_tiny  # noqa: E402
 
 TEMPERATURE = 0.9
 

@@ -78,7 +78,7 @@ class RunConfig:
     """'auto' (cuda if available), 'cpu' or 'cuda'."""
     malloc_mmap_threshold: int = 1 << 20
     """Linux/glibc: host allocations of at least this many bytes get their own mapping, returned to the system when
-    freed, instead of staying resident in malloc's heaps (fastgrpo.memory; 0 leaves malloc as it is; a
+    freed, instead of staying resident in malloc's heaps (fastgrpo.runtime.memory; 0 leaves malloc as it is; a
     MALLOC_MMAP_THRESHOLD_ environment variable wins). At most 32 MiB."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -183,7 +183,7 @@ def check_run_config(cfg: Any, *, head_backend_field: str, sequence_level: bool 
 class SFTOptions:
     batch_size: int = 32
     """Sequences per optimizer step on each rank."""
-    normalization: str = field(default="token", metadata=registry("fastgrpo.losses:SFT_NORMALIZATIONS"))
+    normalization: str = field(default="token", metadata=registry("fastgrpo.algorithms.losses:SFT_NORMALIZATIONS"))
     """Loss average over the global batch: 'token' (every completion token weighs the same) or 'sequence' (the
     token mean of each sequence, then the mean over sequences)."""
     max_tokens_per_microbatch: int = 1024

@@ -72,7 +72,7 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights: 'auto' (CUDA: float32 masters, bfloat16 compute via FSDP2; CPU: float32), 'float32' or 'bfloat16'."""
     attn_implementation: str = field(default="auto",
-                                     metadata=registry("fastgrpo.attention:ATTN_BACKENDS", also=("auto",)))
+                                     metadata=registry("fastgrpo.models.attention:ATTN_BACKENDS", also=("auto",)))
     """'auto' picks flash_attention_2 > torch_varlen > sdpa_varlen on CUDA, sdpa_varlen (sdpa per packed sequence)
     elsewhere; or name one (flex_attention compiles per packed length)."""
     trust_remote_code: bool = False
@@ -288,7 +288,7 @@ class GRPOConfig:
     """B: prompts per optimizer step (per rank)."""
     num_generations: int = 8
     """G: completions per prompt."""
-    loss_type: str = field(default="dapo", metadata=registry("fastgrpo.losses:LOSS_TYPES"))
+    loss_type: str = field(default="dapo", metadata=registry("fastgrpo.algorithms.losses:LOSS_TYPES"))
     """grpo | dapo (alias bnpo) | dr_grpo | luspo | cispo | sapo (TRL's loss types): how per-token losses are
     normalised over the global batch, and the per-token policy term (clip; cispo and sapo their own)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -315,7 +315,7 @@ class GRPOConfig:
     max_tokens_per_microbatch: int | None = None
     """Token budget of one packed micro-batch; gradients are accumulated across micro-batches. None: 1024 on a CPU
     (activations set host memory there, and smaller rows cost no speed: benchmarks/RESULTS.md); on CUDA sized at the
-    first update from the free GPU memory, 4096 to 32768 tokens (fastgrpo.microbatch: each micro-batch costs a
+    first update from the free GPU memory, 4096 to 32768 tokens (fastgrpo.update.microbatch: each micro-batch costs a
     trunk's worth of dispatched ops, so fewer, larger ones are faster), and printed; a resume sizes it again (the
     sum of the gradients does not depend on it, its rounding does). PPO's update keeps 4096."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
@@ -375,7 +375,7 @@ class GRPOConfig:
 
 @dataclass(kw_only=True)
 class PPOConfig:
-    """PPO with a learned critic (``algorithm: ppo``, fastgrpo.ppo). The policy loss is grpo.loss_type's (the clipped
+    """PPO with a learned critic (``algorithm: ppo``, fastgrpo.algorithms.ppo). The policy loss is grpo.loss_type's (the clipped
     objective for grpo / dapo / dr_grpo: grpo.epsilon_low/high, grpo.beta) with per-token GAE advantages."""
 
     gamma: float = 1.0
@@ -529,7 +529,7 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class LogConfig:
-    report_to: list[str] = field(default_factory=lambda: ["jsonl"], metadata=registry("fastgrpo.metrics:SINKS"))
+    report_to: list[str] = field(default_factory=lambda: ["jsonl"], metadata=registry("fastgrpo.runtime.metrics:SINKS"))
     """Metric sinks besides the progress bar: 'jsonl', 'wandb'."""
     wandb_project: str = "fastgrpo"
     """wandb project name."""

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from fastgrpo.environments.base import ENV_REWARDS_COLUMN, Environment, EnvironmentFactory, step_result
-from fastgrpo.episodes import Episodes, score_episodes
+from fastgrpo.algorithms.episodes import Episodes, score_episodes
 from fastgrpo.rewards import RewardRunner
 from fastgrpo.rollout import Completion, RolloutEngine, SamplingParams
 
@@ -269,7 +269,7 @@ def collect_trajectories(engine: RolloutEngine, factory: EnvironmentFactory, row
                          sampling: SamplingParams, max_turns: int, render: ObservationRenderer, rewards: RewardRunner,
                          scale_rewards: str, all_reduce: Callable | None = None, prompt_column: str = "prompt",
                          sync: Sync | None = None) -> Episodes:
-    """The multi-turn counterpart of :func:`fastgrpo.episodes.collect_episodes`: one environment per trajectory
+    """The multi-turn counterpart of :func:`fastgrpo.algorithms.episodes.collect_episodes`: one environment per trajectory
     (reset on its row), :func:`run_trajectories`, then rewards and advantages. The reward functions get
     ``completions`` as message lists (TRL's convention: the assistant turns and the environment's messages after
     the prompt) and the environment's per-turn rewards as the ``env_rewards`` column."""

@@ -27,7 +27,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from fastgrpo.procs import die_with_parent
+from fastgrpo.runtime.procs import die_with_parent
 
 
 def _die_with(parent_pid: int) -> None:

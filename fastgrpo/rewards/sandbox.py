@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from fastgrpo.errors import RewardError
+from fastgrpo.runtime.errors import RewardError
 from fastgrpo.rewards.calls import CallFailure
 
 LOAD_TIMEOUT_S = 300.0

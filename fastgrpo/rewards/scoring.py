@@ -35,7 +35,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from fastgrpo.errors import RewardError
+from fastgrpo.runtime.errors import RewardError
 from fastgrpo.rewards import loader
 from fastgrpo.rewards.calls import FLOAT32_MAX, CallFailure, call, gather, is_async, own_copy
 from fastgrpo.rewards.columns import configure_rewards, required_columns

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fastgrpo.config import RolloutConfig
-from fastgrpo.policy_state import iter_policy_tensors
+from fastgrpo.models.policy_state import iter_policy_tensors
 
 
 @dataclass(kw_only=True)

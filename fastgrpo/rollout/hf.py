@@ -48,8 +48,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fastgrpo.config import HFRolloutConfig, check_section
-from fastgrpo.attention import decoding_attn_implementation
-from fastgrpo.policy_state import is_lora
+from fastgrpo.models.attention import decoding_attn_implementation
+from fastgrpo.models.policy_state import is_lora
 from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
 from fastgrpo.rollout.kv_cache import preallocated_kv_cache
 from fastgrpo.rollout.lean_decode import GraphedStep, LeanDecoder, lean_unsupported_reason

@@ -12,12 +12,12 @@ Departures from a plain ``vllm.LLM``, each for a reason:
 
 - Log-probs: ``logprobs_mode='processed_logprobs'``, i.e. after temperature (and top-p), the distribution the
   token was actually drawn from. With top_p=1 that equals the trainer's ``log_softmax(logits / T)``, which the
-  importance-sampling correction compares against (:func:`fastgrpo.losses.truncated_importance_weights`).
+  importance-sampling correction compares against (:func:`fastgrpo.algorithms.losses.truncated_importance_weights`).
 - Weight sync: layer-aligned buckets (:mod:`fastgrpo.rollout.weight_sync`), then the prefix cache is reset
   (its KV entries were computed with the old weights). On CPU each bucket goes through vLLM's
   ``reload_weights`` (it re-runs the CPU backend's weight repacking, which a bare ``load_weights`` skips); with
   tied embeddings the CPU backend's prepacked lm_head is rebuilt too, because vLLM only reloads the embedding.
-- LoRA policies (``fastgrpo.lora``): by default the engine receives merged weights (``W + scale * B @ A``, one layer
+- LoRA policies (``fastgrpo.models.lora``): by default the engine receives merged weights (``W + scale * B @ A``, one layer
   at a time, the policy untouched) and decodes a plain model. With ``lora_rank > 0`` (``rollout.vllm.lora_sync=adapter``)
   it runs vLLM's LoRA support instead: a sync writes the adapters (a few MB) to a folder of this rank and loads
   them as a new LoRA id; every generate() applies it.
@@ -40,7 +40,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from fastgrpo.config import VLLMRolloutConfig, check_section
-from fastgrpo.policy_state import clean_param_name, is_lora, iter_full_tensors
+from fastgrpo.models.policy_state import clean_param_name, is_lora, iter_full_tensors
 from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
 from fastgrpo.rollout.vllm_support import (WEIGHT_LOADERS, check_vllm_available, head_dim_of, import_vllm,
                                            preserve_process_state, read_hf_config, worker_refresh_tied_head)
@@ -341,7 +341,7 @@ class VLLMEngine(RolloutEngine):
 
     def _wake_up(self, tags: list[str]) -> None:
         """vLLM's wake_up, after torch's allocator returned its cached blocks: the update's activations (their size
-        is chosen while the engine sleeps, fastgrpo.microbatch) stay cached in torch otherwise, and the engine's
+        is chosen while the engine sleeps, fastgrpo.update.microbatch) stay cached in torch otherwise, and the engine's
         weights and KV cache would not fit back."""
         if self.on_cuda:
             torch.cuda.empty_cache()

@@ -4,7 +4,7 @@ The trainer's parameters may be FSDP2 shards (``DTensor``). An engine with its o
 one per rank) needs full tensors, but gathering the whole model at once would double peak memory and sending
 one parameter per call pays the per-call overhead hundreds of times. So:
 
-- :func:`fastgrpo.policy_state.iter_policy_tensors` gathers one parameter at a time (``DTensor.full_tensor()`` is
+- :func:`fastgrpo.models.policy_state.iter_policy_tensors` gathers one parameter at a time (``DTensor.full_tensor()`` is
   a collective: every rank must iterate the same model in the same order) and yields it under its Hugging Face
   name;
 - :func:`bucket_by_layer` groups the stream into buckets of about ``bucket_bytes``, never splitting one

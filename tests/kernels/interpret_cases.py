@@ -195,9 +195,9 @@ def test_cublas_logprobs_forward_matches_the_loss_path_and_has_no_backward():
 def test_trainer_update_on_the_cublas_path_equals_the_torch_path(tmp_path, monkeypatch):
     # The trainer wiring: grpo.head_backend reaches the loss and the reference log-probs (beta > 0). At step 1 the
     # policy equals the reference, and one numerics for both passes makes the KL exactly 0.
-    from fastgrpo import update as update_mod
+    from fastgrpo.update import step as update_mod
     from fastgrpo.config import load_config
-    from fastgrpo.trainer import Trainer
+    from fastgrpo.trainers.grpo import Trainer
 
     seen = []
     for fn in ("linear_grpo_loss", "linear_logprobs"):

@@ -24,7 +24,7 @@ Presets (registry ``PRESETS``):
   must not depend on Qwen2 specifics (packing, trunk/head split with a separate head).
 - ``small``: the Qwen2 layout, wider and deeper (hidden 128, 4 layers, ~1M parameters).
 - ``medium``: wider again (hidden 256, 8 query and 2 KV heads, 4 layers, ~3.9M parameters): the random base of the
-  warm-started Countdown model (``tiny:countdown``, :mod:`fastgrpo.warm`), still trained in about a minute and a
+  warm-started Countdown model (``tiny:countdown``, :mod:`fastgrpo.trainers.warm`), still trained in about a minute and a
   half on two CPU cores.
 
 head_dim is 32 in every preset: vLLM's CPU attention backend rejects head sizes below 32.

@@ -4,7 +4,7 @@ Each micro-batch is one row ``[1, T]`` holding whole sequences back to back (pro
 ``position_ids`` restart at 0 for every sequence so that the attention backend keeps sequences apart and
 rotary embeddings see the same positions as an unpadded forward. Only the positions whose hidden state
 predicts a completion token are kept after the trunk, so the lm_head runs on completion tokens only. The packed
-forward itself (how each attention backend is told where sequences start) is in :mod:`fastgrpo.attention`.
+forward itself (how each attention backend is told where sequences start) is in :mod:`fastgrpo.models.attention`.
 
 Shape legend:
   S  sequences in the batch (this rank's)           F  completion tokens of all S sequences (flat layout)

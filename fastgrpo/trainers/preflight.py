@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fastgrpo import checkpoint as ckpt
+from fastgrpo.distributed import checkpoint as ckpt
 from fastgrpo.config import TrainConfig, not_a_file, run_defining_changes
 
 LOGS = ("metrics.jsonl", "completions.jsonl")

@@ -3,15 +3,15 @@ parallelize.py), no attention backends (see attention.py).
 
 ``ModelConfig.name_or_path`` is one of:
 - a registered name (``MODEL_SOURCES``): ``"tiny"`` / ``"tiny:<preset>"`` (e.g. ``"tiny:llama"``), the embedded
-  model, built locally by :func:`fastgrpo.tiny.build_tiny` (no hub, no network), and the warm-started
-  ``"tiny:countdown"`` (:mod:`fastgrpo.warm`);
+  model, built locally by :func:`fastgrpo.models.tiny.build_tiny` (no hub, no network), and the warm-started
+  ``"tiny:countdown"`` (:mod:`fastgrpo.trainers.warm`);
 - a local folder in Hugging Face layout (config.json, safetensors, tokenizer files);
 - a Hugging Face hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``), downloaded by transformers: needs network, or a
   warm ``HF_HOME`` cache.
 
 Log-probs and losses are computed as ``head_fn(trunk(x)[completion positions], lm_head.weight)`` on one packed
 row (:func:`packed_head_forward`), so the lm_head runs on completion tokens only and the fused kernel never
-builds ``[tokens x vocab]`` logits. The attention backend (:mod:`fastgrpo.attention`) says how a packed row's
+builds ``[tokens x vocab]`` logits. The attention backend (:mod:`fastgrpo.models.attention`) says how a packed row's
 sequence boundaries reach the trunk.
 
 Legend: N tokens, H hidden size, V vocabulary size.
@@ -25,10 +25,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fastgrpo.attention import choose_attn_implementation, packed_attention_inputs, register_with_transformers
+from fastgrpo.models.attention import choose_attn_implementation, packed_attention_inputs, register_with_transformers
 from fastgrpo.config import ModelConfig
-from fastgrpo.packing import MicroBatch
-from fastgrpo.tiny import PRESETS, build_tiny
+from fastgrpo.models.packing import MicroBatch
+from fastgrpo.models.tiny import PRESETS, build_tiny
 
 __all__ = [
     "MODEL_SOURCES",
@@ -59,7 +59,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str) -
 
 MODEL_SOURCES: dict[str, Callable[[int], str | Path]] = {}
 """Model name that is neither a folder nor a hub id -> ``build(seed)`` returning its local folder (built on first
-use). This module registers the embedded tiny models (``tiny``, ``tiny:<preset>``); :mod:`fastgrpo.warm` registers
+use). This module registers the embedded tiny models (``tiny``, ``tiny:<preset>``); :mod:`fastgrpo.trainers.warm` registers
 the warm-started ones (``tiny:countdown``) when imported, as the entry points (fastgrpo.train, fastgrpo.sft) do."""
 
 TINY_PREFIX = "tiny"
@@ -85,7 +85,7 @@ def resolve_model_path(cfg: ModelConfig, *, seed: int = 0) -> str:
     if name.startswith(TINY_PREFIX + ":"):
         known = ", ".join(sorted(n for n in MODEL_SOURCES if n.startswith(TINY_PREFIX)))
         raise ValueError(f"model.name_or_path: unknown tiny preset or warm model {name!r} (known: {known}); the "
-                         "warm-started models (tiny:countdown) are registered by importing fastgrpo.warm, as "
+                         "warm-started models (tiny:countdown) are registered by importing fastgrpo.trainers.warm, as "
                          "fastgrpo.train and fastgrpo.sft do")
     if _looks_like_local_path(name):
         path = Path(name).expanduser()

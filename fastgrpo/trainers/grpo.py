@@ -10,38 +10,38 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo import distributed as fdist
-from fastgrpo import preflight
-from fastgrpo.advantages import self_imitation_mask
+from fastgrpo.distributed import groups as fdist
+from fastgrpo.trainers import preflight
+from fastgrpo.algorithms.advantages import self_imitation_mask
 from fastgrpo.config import TrainConfig
-from fastgrpo.critic import load_critic
+from fastgrpo.algorithms.critic import load_critic
 from fastgrpo.data import build_datasets, render_prompt
 from fastgrpo.data.sampler import PromptSampler
 from fastgrpo.environments import ENV_REWARDS_COLUMN, build_environment
 from fastgrpo.environments.trajectory import (ObservationRenderer, ToolsTemplate, TrajectoryEngine,
                                               collect_trajectories)
-from fastgrpo.episodes import Episodes, collect_episodes, record_metrics
-from fastgrpo.evaluate import evaluate
-from fastgrpo.guard import NonFiniteGuard
-from fastgrpo.loop import build_scheduler  # noqa: F401 (public here too)
-from fastgrpo.loop import TrainingLoop, closes_on_error
-from fastgrpo.metrics import StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
-from fastgrpo.lora import AdapterDisabled, trainable_parameters
-from fastgrpo.microbatch import auto_microbatch_tokens
-from fastgrpo.model import load_model, load_tokenizer, resolve_model_path
-from fastgrpo.optim import build_adamw
-from fastgrpo.parallelize import autocast_dtype, parallelize_model, uses_fsdp
-from fastgrpo.ppo import PPOBatch, ppo_update, total_updates
+from fastgrpo.algorithms.episodes import Episodes, collect_episodes, record_metrics
+from fastgrpo.trainers.evaluate import evaluate
+from fastgrpo.update.guard import NonFiniteGuard
+from fastgrpo.trainers.loop import build_scheduler  # noqa: F401 (public here too)
+from fastgrpo.trainers.loop import TrainingLoop, closes_on_error
+from fastgrpo.runtime.metrics import StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
+from fastgrpo.models.lora import AdapterDisabled, trainable_parameters
+from fastgrpo.update.microbatch import auto_microbatch_tokens
+from fastgrpo.models.loading import load_model, load_tokenizer, resolve_model_path
+from fastgrpo.update.optim import build_adamw
+from fastgrpo.distributed.parallelize import autocast_dtype, parallelize_model, uses_fsdp
+from fastgrpo.algorithms.ppo import PPOBatch, ppo_update, total_updates
 from fastgrpo.rewards import RewardRunner, check_reward_columns
 from fastgrpo.rollout import EngineSetup, RolloutEngine, SamplingParams, build_engine
-from fastgrpo.sampling import dynamic_sample
-from fastgrpo.update import GRPOBatch, grpo_update
+from fastgrpo.algorithms.sampling import dynamic_sample
+from fastgrpo.update.step import GRPOBatch, grpo_update
 
 class Trainer(TrainingLoop):
     """Composes the components from a TrainConfig and runs the loop. ``run()`` returns the last metrics.
 
     ``engine``: a rollout engine to use instead of building ``rollout.engine`` (tests inject scripted ones).
-    Preflight checks, resume, checkpoints and the step loop are :class:`fastgrpo.loop.TrainingLoop`'s.
+    Preflight checks, resume, checkpoints and the step loop are :class:`fastgrpo.trainers.loop.TrainingLoop`'s.
     """
 
     progress_name = "grpo"
@@ -100,7 +100,7 @@ class Trainer(TrainingLoop):
         self.engine.sync_from(self.model)  # the policy may differ from the files the engine loaded (resume)
 
     def _init_critic(self) -> None:
-        """PPO's critic (:func:`fastgrpo.critic.load_critic`), parallelized like the policy, with its own AdamW
+        """PPO's critic (:func:`fastgrpo.algorithms.critic.load_critic`), parallelized like the policy, with its own AdamW
         (ppo.critic_lr; optim's betas, weight decay, warm-up and schedule) and non-finite guard."""
         cfg, o = self.cfg, self.cfg.optim
         critic = load_critic(cfg.model, init=cfg.ppo.critic_init, device=self.device, dtype=self.master_dtype(),
@@ -175,7 +175,7 @@ class Trainer(TrainingLoop):
 
     def rollout(self, metrics: StepMetrics | None = None) -> Episodes:
         """This step's episodes: B prompts x G completions, scored, with advantages; with ``grpo.dynamic_sampling``,
-        zero-variance groups are replaced by newly sampled ones (:func:`fastgrpo.sampling.dynamic_sample`)."""
+        zero-variance groups are replaced by newly sampled ones (:func:`fastgrpo.algorithms.sampling.dynamic_sample`)."""
         g = self.cfg.grpo
         self.engine.wake()
         try:
@@ -218,8 +218,8 @@ class Trainer(TrainingLoop):
         return fdist.all_reduce_(t.to(self.device), "sum").to(t.device)
 
     def policy_update(self, ep: Episodes, metrics: StepMetrics) -> None:
-        """``grpo.num_iterations`` optimizer updates on this step's episodes (:func:`fastgrpo.update.grpo_update`);
-        with ``algorithm: ppo``, PPO's epochs of policy and critic updates (:func:`fastgrpo.ppo.ppo_update`)."""
+        """``grpo.num_iterations`` optimizer updates on this step's episodes (:func:`fastgrpo.update.step.grpo_update`);
+        with ``algorithm: ppo``, PPO's epochs of policy and critic updates (:func:`fastgrpo.algorithms.ppo.ppo_update`)."""
         g = self.cfg.grpo
         if self.critic is not None:
             ppo_update(self.model, self.critic, PPOBatch(
@@ -249,7 +249,7 @@ class Trainer(TrainingLoop):
     def microbatch_tokens(self) -> int | None:
         """The update's micro-batch token budget when ``grpo.max_tokens_per_microbatch`` is null on CUDA: sized once,
         at the first update (the rollout engine and the reference model hold their memory by then), from the free
-        GPU memory (:func:`fastgrpo.microbatch.auto_microbatch_tokens`), the smallest over ranks. None otherwise: the
+        GPU memory (:func:`fastgrpo.update.microbatch.auto_microbatch_tokens`), the smallest over ranks. None otherwise: the
         configured value, or the CPU default."""
         if self.cfg.grpo.max_tokens_per_microbatch is not None or self.device.type != "cuda":
             return None

@@ -18,7 +18,7 @@ keep pointing at the same (sharded, later gathered) tensor. Sharding the embeddi
 split the tie.
 
 The loss runs on the lm_head weight outside ``model.forward``; ``parallelize_model`` therefore attaches
-``model.packed_forward(mb, head)`` (``fastgrpo.model.packed_head_forward``) and registers it as an FSDP
+``model.packed_forward(mb, head)`` (``fastgrpo.models.loading.packed_head_forward``) and registers it as an FSDP
 forward method, so the root unit's parameters are gathered while the head uses them and their gradients are
 reduce-scattered afterwards. Call ``model.packed_forward`` for every packed pass (policy, old-logprob, ref).
 
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from fastgrpo.config import ParallelConfig
-from fastgrpo.model import packed_head_forward
+from fastgrpo.models.loading import packed_head_forward
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -158,7 +158,7 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("FSDP needs an initialised process group "
-                             "(fastgrpo.distributed.init_distributed)")
+                             "(fastgrpo.distributed.groups.init_distributed)")
         _apply_fsdp(model, blocks, cfg, device, world_size)
     assert _tied(model) == tied, "parallelize_model must not untie (or tie) the embeddings"
     # One plain GPU: forwards run under autocast (packed_head_forward, the hf engine), float32 weights as masters.

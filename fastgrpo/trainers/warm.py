@@ -39,9 +39,9 @@ import tempfile
 from pathlib import Path
 
 from fastgrpo.config import SFTConfig, load_config, to_dict
-from fastgrpo.model import register_model_source
-from fastgrpo.procs import die_with_parent
-from fastgrpo.tiny import _RECIPE_VERSION, tiny_cache_root
+from fastgrpo.models.loading import register_model_source
+from fastgrpo.runtime.procs import die_with_parent
+from fastgrpo.models.tiny import _RECIPE_VERSION, tiny_cache_root
 
 __all__ = ["WARM_RECIPES", "build_warm", "recipe_config", "warm_base", "warm_folder"]
 

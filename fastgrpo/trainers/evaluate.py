@@ -15,7 +15,7 @@ from collections import Counter
 from math import comb
 from typing import Any, Callable, Hashable, Sequence
 
-from fastgrpo.episodes import reward_columns
+from fastgrpo.algorithms.episodes import reward_columns
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 
 

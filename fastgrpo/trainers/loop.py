@@ -1,4 +1,4 @@
-"""What the training loops share (GRPO's :class:`~fastgrpo.trainer.Trainer`, SFT's
+"""What the training loops share (GRPO's :class:`~fastgrpo.trainers.grpo.Trainer`, SFT's
 :class:`~fastgrpo.sft.SFTTrainer`): the policy model and its optimizer, resume and atomic checkpoints, and the step
 loop with its logs, evaluations, preemption handling and Hugging Face export.
 
@@ -22,18 +22,18 @@ from typing import Any, Callable
 
 import torch
 
-from fastgrpo import checkpoint as ckpt
-from fastgrpo import distributed as fdist
-from fastgrpo import preflight
+from fastgrpo.distributed import checkpoint as ckpt
+from fastgrpo.distributed import groups as fdist
+from fastgrpo.trainers import preflight
 from fastgrpo.config import to_dict
-from fastgrpo.errors import Preempted
-from fastgrpo.guard import NonFiniteGuard
-from fastgrpo.metrics import RunLog, drop_records_after
-from fastgrpo.lora import apply_lora, check_peft_available, trainable_parameters
-from fastgrpo.memory import set_malloc_mmap_threshold
-from fastgrpo.model import check_plain_head, load_model, resolve_model_path
-from fastgrpo.optim import build_adamw
-from fastgrpo.parallelize import autocast_dtype, parallelize_model, uses_fsdp
+from fastgrpo.runtime.errors import Preempted
+from fastgrpo.update.guard import NonFiniteGuard
+from fastgrpo.runtime.metrics import RunLog, drop_records_after
+from fastgrpo.models.lora import apply_lora, check_peft_available, trainable_parameters
+from fastgrpo.runtime.memory import set_malloc_mmap_threshold
+from fastgrpo.models.loading import check_plain_head, load_model, resolve_model_path
+from fastgrpo.update.optim import build_adamw
+from fastgrpo.distributed.parallelize import autocast_dtype, parallelize_model, uses_fsdp
 
 # Test hook: SIGKILL this process in the middle of the given step (GRPO: after its rollout, before its update; SFT:
 # before its update), so the kill-and-resume tests are deterministic.
@@ -92,7 +92,7 @@ class TrainingLoop:
         self._config_changes = preflight.config_changes(cfg)
 
     def _lock_run_dir(self) -> None:
-        """Rank 0 locks the run folder (:class:`fastgrpo.preflight.RunLock`); every rank fails if it cannot."""
+        """Rank 0 locks the run folder (:class:`fastgrpo.trainers.preflight.RunLock`); every rank fails if it cannot."""
         self._lock, error = None, ""
         if self.is_main:
             try:
@@ -208,7 +208,7 @@ class TrainingLoop:
 
     def run(self) -> dict[str, float]:
         """Steps up to ``max_steps`` (from a resumed step), then a final checkpoint and export; the last record.
-        SIGTERM saves a checkpoint and raises :class:`~fastgrpo.errors.Preempted` (a run that stopped early is not
+        SIGTERM saves a checkpoint and raises :class:`~fastgrpo.runtime.errors.Preempted` (a run that stopped early is not
         a finished one). ``train_step`` returns a record of None when SIGTERM cut the step short (it was dropped,
         and the data position is back where it was before it). The run folder is unlocked when it returns."""
         try:

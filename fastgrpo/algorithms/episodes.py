@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 import torch
 
-from fastgrpo.advantages import AdvantageResult, compute_advantages
-from fastgrpo.metrics import StepMetrics
+from fastgrpo.algorithms.advantages import AdvantageResult, compute_advantages
+from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.rewards import RewardRunner
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from fastgrpo.config import LoraConfig
-from fastgrpo.policy_state import is_lora, merged_tensors  # noqa: F401  (re-exported: the LoRA API)
+from fastgrpo.models.policy_state import is_lora, merged_tensors  # noqa: F401  (re-exported: the LoRA API)
 
 __all__ = ["AdapterDisabled", "apply_lora", "check_peft_available", "is_lora", "merged_tensors",
            "trainable_parameters"]
@@ -92,7 +92,7 @@ class AdapterDisabled:
 
     def __init__(self, model: nn.Module) -> None:
         if not is_lora(model):
-            raise TypeError("AdapterDisabled needs a peft-wrapped model (fastgrpo.lora.apply_lora)")
+            raise TypeError("AdapterDisabled needs a peft-wrapped model (fastgrpo.models.lora.apply_lora)")
         self.model = model
 
     def packed_forward(self, mb, head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
@@ -116,7 +116,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     # AuxiliaryTrainingWrapper: model.lora.modules_to_save, whose forward runs the frozen original when disabled
     layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
     if not layers or not all(hasattr(m, "_disable_adapters") for m in layers):
-        raise RuntimeError("fastgrpo.lora: this peft version has no BaseTunerLayer._disable_adapters switch; "
+        raise RuntimeError("fastgrpo.models.lora: this peft version has no BaseTunerLayer._disable_adapters switch; "
                            "install peft==0.21.2 (pip install fastgrpo[lora])")
     before = [m._disable_adapters for m in layers]
     for m in layers:

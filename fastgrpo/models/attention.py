@@ -2,7 +2,7 @@
 boundaries reach it, and what the hf rollout engine decodes with (registry ``ATTN_BACKENDS``, the choices of
 ``model.attn_implementation``); and fastgrpo's own ``"sdpa_varlen"`` (sdpa per sequence of a packed row).
 
-The model loader (:mod:`fastgrpo.model`) asks :func:`choose_attn_implementation` which backend to load a model
+The model loader (:mod:`fastgrpo.models.loading`) asks :func:`choose_attn_implementation` which backend to load a model
 with; the packed forward asks :func:`packed_attention_inputs` for the extra trunk arguments of a micro-batch.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fastgrpo.packing import MicroBatch
+from fastgrpo.models.packing import MicroBatch
 
 __all__ = ["ATTN_BACKENDS", "AttnBackend", "block_causal_mask", "choose_attn_implementation",
            "decoding_attn_implementation", "packed_attention_inputs", "register_attn_backend",

@@ -30,19 +30,19 @@ from typing import Callable
 
 import torch
 
-from fastgrpo import distributed as fdist
+from fastgrpo.distributed import groups as fdist
 from fastgrpo.config import GRPOConfig, RolloutConfig
-from fastgrpo.guard import NonFiniteGuard
+from fastgrpo.update.guard import NonFiniteGuard
 from fastgrpo.kernels import linear_grpo_loss, linear_logprobs, resolve_backend
-from fastgrpo.losses import (
+from fastgrpo.algorithms.losses import (
     POLICY_LOSS_OF,
     SFT_NORMALIZATIONS,
     GlobalCounts,
     token_weights,
     truncated_importance_weights,
 )
-from fastgrpo.metrics import StepMetrics
-from fastgrpo.packing import MicroBatch, pack, plan_microbatches, split_to_count
+from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.models.packing import MicroBatch, pack, plan_microbatches, split_to_count
 
 __all__ = ["DEFAULT_MICROBATCH_TOKENS", "GRPOBatch", "HeadLoss", "StepPlan", "entropy_mask", "grpo_update",
            "microbatch_tokens", "optimizer_update", "packed_logprobs", "plan_packed", "plan_step", "sequence_numbers",
@@ -140,7 +140,7 @@ def optimizer_update(model: torch.nn.Module, mbs: list[MicroBatch], head_loss: H
     ``model`` has ``packed_forward`` (``parallelize_model``). Metrics: ``loss`` (the summed loss / loss_divisor: a
     step of several updates logs their mean), every key of the head's stats, ``policy/grad_norm`` (before clipping)
     and ``lr`` (the rate this update used). ``max_grad_norm`` 0 disables clipping. The optimizer steps only on a
-    finite gradient norm (:class:`fastgrpo.guard.NonFiniteGuard`, which counts the skipped updates); returns
+    finite gradient norm (:class:`fastgrpo.update.guard.NonFiniteGuard`, which counts the skipped updates); returns
     whether it stepped. The schedule advances either way, so a step's learning rate does not depend on skips.
     Another ``role`` than 'policy' (PPO's 'critic') logs ``<role>/loss``, ``<role>/grad_norm`` and ``<role>/lr``.
     """
@@ -217,7 +217,7 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
     """``grpo.num_iterations`` optimizer updates on one rollout batch; returns the micro-batches it ran.
 
     ``max_tokens_per_microbatch``, when given, replaces ``grpo.max_tokens_per_microbatch`` (the trainer passes the
-    budget it sized from free GPU memory, :meth:`fastgrpo.trainer.Trainer.microbatch_tokens`).
+    budget it sized from free GPU memory, :meth:`fastgrpo.trainers.grpo.Trainer.microbatch_tokens`).
 
     Token weights (``grpo.loss_type``) are normalised over the global batch (all ranks), so the summed gradient
     does not depend on the micro-batch budget or the world size. Old log-probs are computed once, before the first

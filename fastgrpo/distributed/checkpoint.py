@@ -12,7 +12,7 @@ Layout of a run folder::
                                               peft adapter folder (PeftModel.from_pretrained(base, final))
     runs/<name>/final_merged/                 with LoRA and checkpoint.export_merged: adapters merged into the base
 
-With LoRA (``fastgrpo.lora``) checkpoints hold the adapters and their optimizer state only: the frozen base is
+With LoRA (``fastgrpo.models.lora``) checkpoints hold the adapters and their optimizer state only: the frozen base is
 reloaded from model.name_or_path on resume (``StateDictOptions(ignore_frozen_params=True)``).
 
 Atomicity: everything is written under a temporary name and renamed once every rank has finished (rename is atomic
@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from fastgrpo.errors import DiskFullError, is_disk_full
-from fastgrpo.policy_state import clean_param_name, is_lora, iter_policy_tensors
+from fastgrpo.runtime.errors import DiskFullError, is_disk_full
+from fastgrpo.models.policy_state import clean_param_name, is_lora, iter_policy_tensors
 
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 

@@ -19,9 +19,9 @@ from typing import Callable
 
 import torch
 
-from fastgrpo.advantages import compute_advantages
-from fastgrpo.episodes import Episodes
-from fastgrpo.metrics import StepMetrics
+from fastgrpo.algorithms.advantages import compute_advantages
+from fastgrpo.algorithms.episodes import Episodes
+from fastgrpo.runtime.metrics import StepMetrics
 
 
 def select_groups(ep: Episodes, groups: list[int], group_size: int) -> Episodes:

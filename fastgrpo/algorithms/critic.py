@@ -2,7 +2,7 @@
 
 Legend: N completion tokens (flat layout), n those of one micro-batch, H hidden size.
 
-The critic is loaded like the policy (:func:`fastgrpo.model.load_model`, from ``ppo.critic_init`` or the policy's
+The critic is loaded like the policy (:func:`fastgrpo.models.loading.load_model`, from ``ppo.critic_init`` or the policy's
 ``model.name_or_path``), and its output layer is replaced by ``value_head``, an ``nn.Linear(H, 1, bias=False)``:
 ``get_output_embeddings()`` then returns the value head, so everything written for the policy runs unchanged on the
 critic. ``parallelize_model`` shards it the same way (the head joins the root FSDP unit, as lm_head does),
@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from fastgrpo.config import LoraConfig, ModelConfig
-from fastgrpo.lora import apply_lora, check_peft_available
-from fastgrpo.model import load_model
-from fastgrpo.packing import MicroBatch
+from fastgrpo.models.lora import apply_lora, check_peft_available
+from fastgrpo.models.loading import load_model
+from fastgrpo.models.packing import MicroBatch
 
 __all__ = ["apply_critic_lora", "attach_value_head", "is_value_model", "load_critic", "packed_values", "value_head_forward"]
 
@@ -71,7 +71,7 @@ def load_critic(cfg: ModelConfig, *, init: str | None, device: torch.device | st
 
 
 def apply_critic_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
-    """Adapters on a value model's trunk (:func:`fastgrpo.lora.apply_lora`) and a trainable value head: peft
+    """Adapters on a value model's trunk (:func:`fastgrpo.models.lora.apply_lora`) and a trainable value head: peft
     freezes every base weight, the new head included, which has no pretrained value to keep."""
     model = apply_lora(model, cfg)
     model.get_output_embeddings().weight.requires_grad_(True)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastgrpo.errors import DiskFullError, is_disk_full
+from fastgrpo.runtime.errors import DiskFullError, is_disk_full
 
 
 # Dense bf16 peak FLOP/s by device-name substring (vendor data sheets, no sparsity).

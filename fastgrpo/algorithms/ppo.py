@@ -33,16 +33,16 @@ from functools import partial
 
 import torch
 
-from fastgrpo import distributed as fdist
+from fastgrpo.distributed import groups as fdist
 from fastgrpo.config import GRPOConfig, PPOConfig, RolloutConfig
-from fastgrpo.critic import packed_values, value_head_forward
-from fastgrpo.errors import NonFiniteError
-from fastgrpo.guard import NonFiniteGuard
+from fastgrpo.algorithms.critic import packed_values, value_head_forward
+from fastgrpo.runtime.errors import NonFiniteError
+from fastgrpo.update.guard import NonFiniteGuard
 from fastgrpo.kernels import linear_grpo_loss, resolve_backend
-from fastgrpo.losses import POLICY_LOSS_OF, GlobalCounts, token_weights, truncated_importance_weights
-from fastgrpo.metrics import StepMetrics
-from fastgrpo.packing import MicroBatch, completion_offsets
-from fastgrpo.update import microbatch_tokens, optimizer_update, packed_logprobs, plan_step
+from fastgrpo.algorithms.losses import POLICY_LOSS_OF, GlobalCounts, token_weights, truncated_importance_weights
+from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.models.packing import MicroBatch, completion_offsets
+from fastgrpo.update.step import microbatch_tokens, optimizer_update, packed_logprobs, plan_step
 
 __all__ = ["PPOBatch", "clipped_value_loss", "gae", "mini_batches", "ppo_update", "token_rewards",
            "total_updates", "whiten"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fastgrpo.errors import NonFiniteError
+from fastgrpo.runtime.errors import NonFiniteError
 
 
 class NonFiniteGuard:

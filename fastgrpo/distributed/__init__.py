@@ -1,0 +1,1 @@
+"""torch.distributed: process groups and collectives, FSDP2 parallelization, checkpoints."""

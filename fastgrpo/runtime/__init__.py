@@ -1,0 +1,1 @@
+"""What every layer uses: errors, metrics, host memory, worker processes."""
