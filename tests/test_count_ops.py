@@ -4,14 +4,15 @@ step from the update's own modules, whatever the number of micro-batches."""
 from benchmarks import peer_work
 from benchmarks.count_ops import count_fastgrpo
 
-# the modules of the update layer; syncs elsewhere (attention, the CPU head kernels) are counted, not asserted here
-UPDATE_MODULES = ("fastgrpo/update/step.py", "fastgrpo/runtime/metrics.py", "fastgrpo/models/packing.py", "fastgrpo/update/guard.py",
-                  "fastgrpo/algorithms/losses.py", "fastgrpo/algorithms/advantages.py", "fastgrpo/algorithms/episodes.py")
+# the update layer (op_counter names a site by its last two path parts: "<folder>/<file>.py:<line>"): the update
+# and algorithm packages, the metrics and the packing; syncs elsewhere (attention, the CPU head kernels) are counted,
+# not asserted here
+UPDATE_MODULES = ("update/", "algorithms/", "runtime/metrics.py", "models/packing.py")
 
 
 def _own_syncs(result: dict) -> dict[str, float]:
     return {site: n for site, n in result["sync_sites"]["update"].items()
-            if any(f" at {m}:" in site for m in UPDATE_MODULES)}
+            if any(f" at {m}" in site for m in UPDATE_MODULES)}
 
 
 def test_update_syncs_do_not_grow_with_the_micro_batch_count(tmp_path):
