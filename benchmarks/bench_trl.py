@@ -53,6 +53,7 @@ from benchmarks.peer_work import (  # noqa: E402
     SHAPES, WORKS, Work, build_model_folder, check_no_eos, fastgrpo_config, make_spec, spread_reward, trl_config,
     write_prompts,
 )
+from benchmarks.profile_phases import phase_seconds, phase_table  # noqa: E402
 
 # -- the two children (each run is a fresh process) ------------------------------------------------------------
 
@@ -194,7 +195,11 @@ def _profile_last(fn, spec: dict, step_of):
             shapes = prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=20,
                                                                         max_name_column_width=50)
             cpu = averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
-            (Path(spec["run_dir"]) / "profile.txt").write_text(f"{table}\n\nby input shape:\n{shapes}"
+            vocab = json.loads((Path(spec["model_dir"]) / "config.json").read_text())["vocab_size"]
+            split = phase_table(phase_seconds(prof.events(), vocab))
+            (Path(spec["run_dir"]) / "profile.txt").write_text(f"self CPU time by phase (benchmarks/profile_phases.py"
+                                                                f", V = {vocab}):\n{split}\n\n{table}\n\n"
+                                                                f"by input shape:\n{shapes}"
                                                                 f"\n\nby self CPU time (dispatch):\n{cpu}")
 
     atexit.register(write)
@@ -566,7 +571,10 @@ def main(argv: list[str] | None = None) -> int:
                 src = Path(root / "runs" / name / side / "profile.txt")
                 dst = Path(f"{args.out}-profile-{name}-{side}.txt")
                 dst.parent.mkdir(parents=True, exist_ok=True)
-                dst.write_text(src.read_text() if src.is_file() else f"no profile: {run['error']}\n")
+                gen = (f"generation of the profiled step (not profiled; the step's record): "
+                       f"{run['steps'][-1]['gen_s']:.2f} s, its update {run['steps'][-1]['update_s']:.2f} s\n"
+                       if run["steps"] else "")
+                dst.write_text(gen + src.read_text() if src.is_file() else f"no profile: {run['error']}\n")
                 print(f"[{name}] {side}: profile of the last update in {dst}", file=sys.stderr)
         return 0
     done: dict[str, list[dict]] = {name: [] for name in specs}

@@ -114,7 +114,7 @@ def instrument(sampler: PhaseSampler) -> None:
 
     from fastgrpo.trainers import grpo as trainer
 
-    from fastgrpo.update import step as update
+    from fastgrpo.algorithms import tokens as update
 
     T = trainer.Trainer
     T.rollout = sampler.wrap(T.rollout, "rollout")

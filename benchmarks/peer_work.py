@@ -33,7 +33,8 @@ class Work:
     """One side-by-side workload."""
 
     model: str
-    """'tiny' (fastgrpo.models.tiny), a SHAPES key (random weights, built here), or a local model folder."""
+    """'tiny' (fastgrpo.models.tiny), a SHAPES key (random weights, built here), a named model source of
+    fastgrpo.models.loading (a real pretrained model, e.g. 'smollm2-135m-instruct'), or a local model folder."""
     prompts_per_step: int
     """B: prompts per optimizer step."""
     generations: int = 8
@@ -53,6 +54,9 @@ WORKS = {
     "108m-shape": Work(model="108m", prompts_per_step=2, max_completion_length=32),
     # One prompt per step and one measured step: a 0.5B float32 step takes minutes on the 2-core CPU.
     "qwen0.5b-shape": Work(model="qwen2.5-0.5b", prompts_per_step=1, max_completion_length=32, steps=1),
+    # A real pretrained model (issue 36): SmolLM2-135M-Instruct, full fine-tuning in float32 like the works above;
+    # its real tokenizer and chat template render the same Countdown prompts. Two measured steps of 2 x 8 x 32.
+    "smollm2": Work(model="smollm2-135m-instruct", prompts_per_step=2, max_completion_length=32),
 }
 
 SHARED = dict(temperature=1.0, top_p=1.0, beta=0.0, loss_type="dr_grpo", scale_rewards="group", epsilon=0.2,
@@ -176,13 +180,21 @@ def settings_of_trl(kw: dict) -> dict:
 # -- inputs: model folder and prompt file ----------------------------------------------------------------------
 
 
-def suppress_eos(model, eos_ids: list[int], *, dim: int = 0, margin: float = 10.0) -> None:
+def suppress_eos(model, eos_ids: list[int], *, dim: int = 0, margin: float = 10.0,
+                 final_norm_gain: float | None = None) -> None:
     """Edit a decoder so that no EOS id can be sampled, at unchanged cost: residual channel ``dim`` becomes a
     constant (1 in every embedding row, -margin in the EOS rows; no layer writes to it), so after the final norm
-    it is a large positive feature and each EOS logit sits about (1 + margin) * that feature below the others."""
+    it is a large positive feature and each EOS logit sits about (1 + margin) * that feature below the others.
+
+    The final norm divides the channel by the residual stream's RMS: about 1 in a random model, but about 25 in
+    SmolLM2-135M-Instruct, where the feature came out at 0.07 and EOS kept a probability of 0.9. ``final_norm_gain``
+    sets the final norm's weight on ``dim`` (pretrained models: 100). It shifts every other logit by the same amount,
+    which softmax ignores."""
     import torch
 
     with torch.no_grad():
+        if final_norm_gain is not None:
+            model.model.norm.weight[dim] = final_norm_gain
         for table in {id(t): t for t in (model.get_input_embeddings().weight,
                                          model.get_output_embeddings().weight)}.values():
             table[:, dim] = 1.0
@@ -209,6 +221,11 @@ def eos_ids_of(folder: Path) -> list[int]:
     return sorted(ids)
 
 
+PRETRAINED_NORM_GAIN = 100.0
+"""suppress_eos's final_norm_gain for a pretrained model (SmolLM2-135M: residual RMS ~25, so the EOS logits sit ~44
+below the others)."""
+
+
 def build_model_folder(model: str, dest: Path, *, seed: int) -> Path:
     """A no-EOS copy of ``model`` in ``dest`` (built once; reused when present)."""
     if (dest / "config.json").is_file():
@@ -219,7 +236,7 @@ def build_model_folder(model: str, dest: Path, *, seed: int) -> Path:
     from fastgrpo.models.tiny import build_tiny
 
     tiny = build_tiny(seed=seed)
-    src = tiny if model in ("tiny", *SHAPES) else Path(model)
+    src = tiny if model in ("tiny", *SHAPES) else model_source(model)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.index.json", "config.json"))
@@ -231,11 +248,20 @@ def build_model_folder(model: str, dest: Path, *, seed: int) -> Path:
                                                dtype=torch.float32)
     else:
         net = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
-    suppress_eos(net, eos_ids_of(src))
+    suppress_eos(net, eos_ids_of(src), final_norm_gain=None if model in ("tiny", *SHAPES) else PRETRAINED_NORM_GAIN)
     net.save_pretrained(tmp)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return dest
+
+
+def model_source(model: str) -> Path:
+    """The local folder of a model that is neither tiny nor a SHAPES key, resolved as the trainer resolves
+    model.name_or_path: a named source or a .gguf file (converted on first use, cached), or a folder as given."""
+    from fastgrpo.config import ModelConfig
+    from fastgrpo.models.loading import resolve_model_path
+
+    return Path(resolve_model_path(ModelConfig(name_or_path=model)))
 
 
 def _conversation(row: dict) -> list[dict]:

@@ -13,7 +13,7 @@ folder, ``peer_work.build_model_folder``):
             the S / per_device_train_batch_size micro-batches (its ``_prepare_inputs`` shuffles and splits the batch,
             its ``compute_loss`` runs the model with TRL's fused lm_head, its backward), gradient clipping, the
             optimizer's step, zeroed gradients. bf16 on CUDA as TRL's ``bf16=True``: float32 weights under autocast.
-  fastgrpo  ``fastgrpo.update.step.grpo_update`` on the same sequences, packed, with the model built as the trainer
+  fastgrpo  ``fastgrpo.algorithms.grpo.grpo_update`` on the same sequences, packed, with the model built as the trainer
             builds it (``load_model`` float32, ``parallelize_model``: on one CUDA rank autocast to bf16 over float32
             masters; float32 on CPU) and the trainer's AdamW.
 
@@ -206,14 +206,14 @@ class FastGRPOSide:
         return self.sized_tokens
 
     def set_batch(self, batch: Batch) -> None:
-        from fastgrpo.update.step import GRPOBatch
+        from fastgrpo.algorithms.grpo import GRPOBatch
 
         self.batch = GRPOBatch(prompt_ids=batch.prompts, completion_ids=batch.completions,
                                advantages=batch.advantages.to(self.device))
 
     def _update(self, optimizer, max_grad_norm: float) -> None:
         from fastgrpo.runtime.metrics import StepMetrics
-        from fastgrpo.update.step import grpo_update
+        from fastgrpo.algorithms.grpo import grpo_update
 
         metrics = StepMetrics()
         grpo_update(self.model, self.batch, grpo=self.grpo, rollout=self.rollout, optimizer=optimizer,

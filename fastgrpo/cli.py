@@ -33,10 +33,12 @@ EXIT_INTERRUPTED = 128 + 2
 
 
 def run_cli(argv: list[str] | None, *, prog: str, description: str, cls: type, make_trainer: Callable[[Any], Any],
-            summary_prefixes: tuple[str, ...], done: str, preflight: Callable[[Any], None] = check_sinks) -> int:
+            summary_prefixes: tuple[str, ...], done: str, preflight: Callable[[Any], None] = check_sinks,
+            example: str = "--config configs/tiny.yaml") -> int:
     """Parse ``argv`` as ``prog [--config F] [--help-config] key=value ...`` for config class ``cls``, then train
     with ``make_trainer(cfg).run()``; prints ``[fastgrpo] <done>: step N {summary}`` on rank 0. Returns the exit
-    code (module docstring)."""
+    code (module docstring). Neither a config file nor an override is a config error naming ``example``: the
+    defaults alone would start a long run that nobody asked for."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", help="YAML config file (configs/*.yaml)")
     p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
@@ -45,6 +47,10 @@ def run_cli(argv: list[str] | None, *, prog: str, description: str, cls: type, m
     if args.help_config:
         print(describe(cls))
         return 0
+    if args.config is None and not args.overrides:  # the defaults alone are a long run nobody asked for
+        print(f"{prog}: config error: no config given: pass --config <file.yaml> and/or key=value overrides "
+              f"(e.g. {example}); --help-config lists every key", file=sys.stderr)
+        return 2
     try:
         return _run(args, prog=prog, cls=cls, make_trainer=make_trainer, summary_prefixes=summary_prefixes,
                     done=done, preflight=preflight)

@@ -17,7 +17,8 @@ __all__ = ["SFTConfig", "SFTOptions", "SFTTrainer", "main"]
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(argv, prog="fastgrpo.sft", description="Supervised fine-tuning (see README.md).", cls=SFTConfig,
-                   make_trainer=SFTTrainer, summary_prefixes=("sft/nll", "eval/"), done="sft done")
+                   make_trainer=SFTTrainer, summary_prefixes=("sft/nll", "eval/"), done="sft done",
+                   example="model.name_or_path=<folder> data.source=<pairs.jsonl>")
 
 
 if __name__ == "__main__":

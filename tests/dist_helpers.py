@@ -1,4 +1,4 @@
-"""One GRPO update (``fastgrpo.update.step.grpo_update``, the trainer's own) on a tiny Qwen2, shared by the
+"""One GRPO update (``fastgrpo.algorithms.grpo.grpo_update``, the trainer's own) on a tiny Qwen2, shared by the
 single-process oracle and the FSDP2 workers.
 
 Run as a script by ``tests/test_fsdp.py`` once per rank with torchrun's environment variables set
@@ -21,7 +21,7 @@ from fastgrpo.models.lora import AdapterDisabled, apply_lora  # noqa: E402
 from fastgrpo.runtime.metrics import StepMetrics  # noqa: E402
 from fastgrpo.models.packing import partition_balanced, plan_microbatches  # noqa: E402
 from fastgrpo.distributed.parallelize import parallelize_model  # noqa: E402
-from fastgrpo.update.step import GRPOBatch, grpo_update  # noqa: E402
+from fastgrpo.algorithms.grpo import GRPOBatch, grpo_update  # noqa: E402
 
 VOCAB = 131
 NUM_SEQS = 10

@@ -2,7 +2,7 @@
 GSPO (sequence-level importance sampling), mask_truncated_completions, self-imitation on the k best of n, the
 top-entropy-quantile mask (DAPO's dynamic sampling: test_sampling.py).
 
-The update tests run ``fastgrpo.update.step.grpo_update`` (the trainer's) on a tiny Qwen2 with several micro-batches
+The update tests run ``fastgrpo.algorithms.grpo.grpo_update`` (the trainer's) on a tiny Qwen2 with several micro-batches
 and compare the parameters after two SGD updates with an oracle: plain torch, one sequence at a time (no
 packing), with the float64-checked reference loss and token weights written out by hand."""
 
@@ -17,7 +17,7 @@ from fastgrpo.config import GRPOConfig, ParallelConfig, RolloutConfig
 from fastgrpo.kernels import reference_linear_grpo_loss, reference_linear_logprobs
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.distributed.parallelize import parallelize_model
-from fastgrpo.update.step import GRPOBatch, entropy_mask, grpo_update
+from fastgrpo.algorithms.grpo import GRPOBatch, entropy_mask, grpo_update
 
 LR = 0.5
 

@@ -1,4 +1,4 @@
-"""FSDP2 with 2 gloo processes on CPU: the trainer's GRPO update (``fastgrpo.update.step.grpo_update``) gives the
+"""FSDP2 with 2 gloo processes on CPU: the trainer's GRPO update (``fastgrpo.algorithms.grpo.grpo_update``) gives the
 single-process gradients and optimizer step.
 
 The loss uses global token weights, so world size 1 and 2 must give the same gradient; that also checks the

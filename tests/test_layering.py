@@ -1,8 +1,11 @@
-"""The import graph of fastgrpo (module-level and function-level imports alike) has no circle.
+"""The import graph of fastgrpo (module-level and function-level imports alike) has no circle, and its folders
+import one way, down a declared order (``LAYERS``).
 
 A function-level import that only dodges a circle hides it: moving a function then breaks at run time rather than
 at import. So the graph is read from the source (``ast``), every ``import`` statement wherever it stands, and any
-strongly connected component of more than one module fails the test with the modules it contains.
+strongly connected component of more than one module fails the test with the modules it contains. No circle is not
+yet a direction: two folders could still import each other through different modules. So each folder (sub-package,
+or top-level module) has a layer, and an import from one folder into another must point to a lower layer.
 """
 
 from __future__ import annotations
@@ -13,6 +16,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # import name -> source folder (kernels/ installs as fastgrpo.kernels, see setup.py)
 PACKAGES = {"fastgrpo": ROOT / "fastgrpo", "fastgrpo.kernels": ROOT / "kernels"}
+
+LAYERS = (
+    ("kernels", "__init__"),  # torch and triton only; the package's own __init__ imports nothing
+    ("config", "runtime"),  # config's one function-level import: the kernels' backend check, at validation
+    ("models", "rewards"),
+    ("distributed", "rollout", "data"),
+    ("update",),  # the optimizer update on packed rows, whatever the loss
+    ("algorithms",),  # episodes (rollout -> rewards -> advantages), GRPO, PPO, SFT's loss, the registry
+    ("environments", "integrations"),  # multi-turn rollouts build episodes; the TRL adapter reads the kernels
+    ("trainers",),
+    ("cli",),
+    ("train", "sft", "plot"),  # entry points
+)
+"""fastgrpo's folders (sub-packages and top-level modules), lowest first: an import between two folders points to a
+lower line. Folders on one line do not import each other."""
 
 
 def _modules(packages: dict[str, Path]) -> dict[str, Path]:
@@ -127,3 +145,58 @@ def test_a_planted_circle_is_found_also_through_a_function_level_import(tmp_path
     assert circles(graph) == [["demo.a", "demo.c", "demo.sub.b"]]
     (pkg / "c.py").write_text("")
     assert circles(import_graph({"demo": pkg})) == []
+
+
+def folder_of(module: str, root: str = "fastgrpo", kernels: str | None = "fastgrpo.kernels") -> str:
+    """The folder a module belongs to: its sub-package or top-level module under ``root``, ``kernels`` for the
+    kernels' package, ``__init__`` for the root package itself."""
+    if kernels and (module == kernels or module.startswith(kernels + ".")):
+        return "kernels"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def backward_imports(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...], **folder) -> list[str]:
+    """``'a -> b'`` for each import from a module into another folder on the same or a higher layer, and for each
+    module whose folder has no layer."""
+    layer = {name: i for i, names in enumerate(layers) for name in names}
+    found = []
+    for module, targets in sorted(graph.items()):
+        src = folder_of(module, **folder)
+        if src not in layer:
+            found.append(f"{module}: its folder {src!r} has no layer in LAYERS")
+            continue
+        for target in sorted(targets):
+            dst = folder_of(target, **folder)
+            if dst != src and layer.get(dst, len(layers)) >= layer[src]:
+                found.append(f"{module} -> {target} ({src} may not import {dst})")
+    return found
+
+
+def test_folders_import_down_the_declared_layers():
+    graph = import_graph(PACKAGES)
+    assert {folder_of(m) for m in graph} >= {"algorithms", "update", "trainers", "kernels", "config"}
+    assert backward_imports(graph, LAYERS) == []
+
+
+def test_a_planted_backward_import_between_folders_is_found(tmp_path):
+    pkg = tmp_path / "demo"
+    for sub in ("low", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "high" / "step.py").write_text("from demo.low import base\n")
+    (pkg / "low" / "base.py").write_text("X = 1\n")
+    layers = (("__init__",), ("low",), ("high",))
+    opts = dict(root="demo", kernels=None)
+    assert backward_imports(import_graph({"demo": pkg}), layers, **opts) == []
+    # no circle: low/helper imports high/step, which imports low/base, a different module
+    (pkg / "low" / "helper.py").write_text("def f():\n    from demo.high.step import base\n    return base\n")
+    graph = import_graph({"demo": pkg})
+    assert circles(graph) == []
+    assert backward_imports(graph, layers, **opts) == ["demo.low.helper -> demo.high.step (low may not import high)"]
+    (pkg / "side").mkdir()
+    (pkg / "side" / "__init__.py").write_text("")
+    assert "demo.side: its folder 'side' has no layer in LAYERS" in backward_imports(
+        import_graph({"demo": pkg}), layers, **opts)
+

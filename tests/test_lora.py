@@ -163,7 +163,7 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted_lora_run(tmp_path):
 def test_lora_head_is_frozen_so_the_kernels_form_no_weight_gradient(lora_model, monkeypatch):
     # The tiny model ties lm_head to the input embedding, which LoRA freezes: the head op sees a weight without
     # requires_grad (so it allocates no [V, H] gradient, tests/kernels) and hidden states that need one.
-    from fastgrpo.update import step as update_mod
+    from fastgrpo.algorithms import tokens as update_mod
 
     seen = []
     real = update_mod.linear_grpo_loss

@@ -11,7 +11,7 @@ from fastgrpo.kernels import reference_linear_grpo_loss, reference_linear_logpro
 from fastgrpo.algorithms.losses import LOSS_TYPES, POLICY_LOSS_OF, GlobalCounts, token_weights
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.distributed.parallelize import parallelize_model
-from fastgrpo.update.step import GRPOBatch, entropy_mask, grpo_update
+from fastgrpo.algorithms.grpo import GRPOBatch, entropy_mask, grpo_update
 
 LR = 0.5
 

@@ -107,7 +107,7 @@ def test_the_cpu_update_packs_under_the_default_budget():
     from fastgrpo.config import ParallelConfig, RolloutConfig
     from fastgrpo.runtime.metrics import StepMetrics
     from fastgrpo.distributed.parallelize import parallelize_model
-    from fastgrpo.update.step import GRPOBatch, grpo_update
+    from fastgrpo.algorithms.grpo import GRPOBatch, grpo_update
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 100, (90,), generator=g).tolist() for _ in range(24)]

@@ -15,7 +15,8 @@ from fastgrpo.rollout import Completion, RolloutEngine, SamplingParams
 from fastgrpo.rollout.hf import HFEngine
 from fastgrpo.algorithms.sampling import concat_episodes, select_groups
 from fastgrpo.trainers.grpo import Trainer
-from fastgrpo.update.step import GRPOBatch, grpo_update, packed_logprobs, plan_packed
+from fastgrpo.algorithms.grpo import GRPOBatch, grpo_update
+from fastgrpo.update.step import packed_logprobs, plan_packed
 
 
 class CountingEnv(Environment):

@@ -13,7 +13,7 @@ from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.distributed.parallelize import parallelize_model
 from fastgrpo.config import ParallelConfig
 from fastgrpo.sft import SFTConfig, SFTTrainer
-from fastgrpo.update.step import sft_update
+from fastgrpo.algorithms.sft import sft_update
 
 BASE = ["model.name_or_path=tiny", "device=cpu", "log.progress=false", "eval.every=-1", "checkpoint.export_hf=false"]
 
@@ -105,7 +105,7 @@ def test_sft_config_errors_name_the_field():
 def test_sft_resolves_a_differentiable_head_path(monkeypatch):
     """'auto' on CUDA picks cublas for the GRPO loss, whose log-probs have no backward: SFT must resolve as for
     log-probs (a recompute path). Checked through the resolver the update calls, with CUDA pretended."""
-    import fastgrpo.update.step as update
+    import fastgrpo.algorithms.sft as update
 
     seen = []
     monkeypatch.setattr(update, "resolve_backend", lambda b, d, needs_grad, **kw: seen.append(needs_grad) or "torch")

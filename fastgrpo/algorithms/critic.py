@@ -26,12 +26,16 @@ import dataclasses
 import torch
 from torch import nn
 
+from fastgrpo.algorithms.interface import ModelSetup
 from fastgrpo.config import LoraConfig, ModelConfig
+from fastgrpo.distributed.parallelize import uses_fsdp
 from fastgrpo.models.lora import apply_lora, check_peft_available
 from fastgrpo.models.loading import load_model
 from fastgrpo.models.packing import MicroBatch
+from fastgrpo.update.bundle import TrainedModel, build_trained
 
-__all__ = ["apply_critic_lora", "attach_value_head", "is_value_model", "load_critic", "packed_values", "value_head_forward"]
+__all__ = ["apply_critic_lora", "attach_value_head", "build_critic", "is_value_model", "load_critic", "packed_values",
+           "value_head_forward"]
 
 
 def attach_value_head(model: nn.Module, *, seed: int = 0) -> nn.Module:
@@ -66,8 +70,30 @@ def load_critic(cfg: ModelConfig, *, init: str | None, device: torch.device | st
     if cfg.lora.enabled:
         check_peft_available()
     source = dataclasses.replace(cfg, name_or_path=init or cfg.name_or_path)
-    model = attach_value_head(load_model(source, device=device, dtype=dtype, seed=seed), seed=seed + 1)
+    try:
+        loaded = load_model(source, device=device, dtype=dtype, seed=seed)
+    except (ValueError, OSError) as e:  # the loader names model.name_or_path; here the folder is ppo.critic_init's
+        if init is None:
+            raise
+        text = str(e)
+        raise ValueError(f"ppo.critic_init: {text.removeprefix('model.name_or_path: ')}"
+                         if text.startswith("model.name_or_path") else f"ppo.critic_init={init!r}: {text}") from None
+    model = attach_value_head(loaded, seed=seed + 1)
     return apply_critic_lora(model, cfg.lora) if cfg.lora.enabled else model
+
+
+def build_critic(setup: ModelSetup, *, total_steps: int) -> TrainedModel:
+    """PPO's critic (:func:`load_critic`), parallelized like the policy, with its own AdamW (ppo.critic_lr; optim's
+    betas, weight decay, warm-up and schedule over ``total_steps`` updates) and non-finite guard."""
+    cfg = setup.cfg
+    critic = load_critic(cfg.model, init=cfg.ppo.critic_init, device=setup.device, dtype=setup.dtype, seed=cfg.seed)
+    if cfg.model.lora.enabled and not uses_fsdp(cfg.parallel, setup.device, setup.world_size):
+        # the new value head trains in full: float32 like any master weight (a frozen bfloat16 base needs no
+        # masters, but lr ~ 1e-6 updates of a bfloat16 head would vanish); under FSDP2 the model is float32
+        # already, or all bfloat16 by model.dtype (FSDP2 shards one dtype per unit)
+        critic.get_output_embeddings().float()
+    return build_trained(critic, parallel=cfg.parallel, optim=cfg.optim, device=setup.device,
+                         world_size=setup.world_size, total_steps=total_steps, lr=cfg.ppo.critic_lr)
 
 
 def apply_critic_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:

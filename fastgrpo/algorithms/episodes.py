@@ -43,8 +43,8 @@ class Episodes:
     """[F] completions whose reward from each function is rewards.on_error_value (the call failed)."""
     interrupted: bool
     """SIGTERM cut the reward calls short: these episodes must not train the policy."""
-    adv: AdvantageResult
-    """Advantages [S] and group statistics."""
+    adv: AdvantageResult | None
+    """Advantages [S] and group statistics; None when the algorithm computes its own (PPO: the critic's GAE)."""
     model_masks: list[list[int]] | None = None
     """[S][L_s] multi-turn rollouts: 1 for a token the model sampled, 0 for an environment token (attended in the
     update, weight 0); None = every completion token is the model's."""
@@ -72,9 +72,10 @@ def reward_columns(rows: list[dict[str, Any]], group_size: int, prompt_texts: li
 
 def collect_episodes(engine: RolloutEngine, rows: list[dict[str, Any]], prompt_texts: list[str],
                      prompt_ids: list[list[int]], *, group_size: int, sampling: SamplingParams,
-                     rewards: RewardRunner, scale_rewards: str, all_reduce: Callable | None = None,
+                     rewards: RewardRunner, scale_rewards: str | None, all_reduce: Callable | None = None,
                      prompt_column: str = "prompt") -> Episodes:
-    """Generate G completions per prompt, score them and compute group advantages."""
+    """Generate G completions per prompt, score them and compute group advantages (``scale_rewards`` None: none,
+    the algorithm computes its own)."""
     groups = engine.generate(prompt_ids, group_size, sampling)  # [B][G]
     comps = [c for g in groups for c in g]  # [S]
     if any(len(c.token_ids) == 0 for c in comps):
@@ -92,17 +93,19 @@ def collect_episodes(engine: RolloutEngine, rows: list[dict[str, Any]], prompt_t
 def score_episodes(rows: list[dict[str, Any]], prompt_texts: list[str], prompt_ids: list[list[int]], *,
                    group_size: int, completion_ids: list[list[int]], completion_texts: list[str],
                    finish_reasons: list[str], sampler_logprobs: torch.Tensor | None, rewards: RewardRunner,
-                   scale_rewards: str, all_reduce: Callable | None = None, prompt_column: str = "prompt",
+                   scale_rewards: str | None, all_reduce: Callable | None = None, prompt_column: str = "prompt",
                    completions: list[Any] | None = None, extra_columns: dict[str, list[Any]] | None = None,
                    model_masks: list[list[int]] | None = None) -> Episodes:
     """Score S = B*G sampled sequences and compute group advantages. ``completions``: what the reward functions
     get as ``completions`` (default: the texts; multi-turn rollouts give message lists); ``extra_columns``: more
-    reward keyword arguments, one entry per sequence; ``model_masks`` as :attr:`Episodes.model_masks`."""
+    reward keyword arguments, one entry per sequence; ``model_masks`` as :attr:`Episodes.model_masks`;
+    ``scale_rewards`` None: no group advantages (``Episodes.adv`` None)."""
     s_prompt_texts = [p for p in prompt_texts for _ in range(group_size)]
     s_prompt_ids = [p for p in prompt_ids for _ in range(group_size)]
     columns = reward_columns(rows, group_size, prompt_texts, completion_ids, prompt_column)
     scores = rewards(completion_texts if completions is None else completions, {**columns, **(extra_columns or {})})
-    adv = compute_advantages(scores.total, group_size, scale=scale_rewards, all_reduce=all_reduce)
+    adv = (None if scale_rewards is None else
+           compute_advantages(scores.total, group_size, scale=scale_rewards, all_reduce=all_reduce))
     return Episodes(
         prompt_texts=s_prompt_texts, prompt_ids=s_prompt_ids, completion_ids=completion_ids,
         completion_texts=completion_texts, finish_reasons=finish_reasons, sampler_logprobs=sampler_logprobs,
@@ -112,7 +115,8 @@ def score_episodes(rows: list[dict[str, Any]], prompt_texts: list[str], prompt_i
 
 
 def record_metrics(ep: Episodes, m: StepMetrics) -> None:
-    """Reward, advantage, length and truncation statistics of one step, global over ranks once reduced."""
+    """Reward, advantage, length and truncation statistics of one step, global over ranks once reduced (no
+    advantage or group statistics when the episodes have no group advantages)."""
     lengths = ep.lengths.float()  # [S]
     m.moments(ep.rewards, "reward/mean", "reward/std")
     for j, name in enumerate(ep.reward_names):
@@ -121,6 +125,8 @@ def record_metrics(ep: Episodes, m: StepMetrics) -> None:
     m.moments(lengths, "completion/len_mean")
     m.max("completion/len_max", lengths.max())
     m.moments(torch.tensor([float(r == "length") for r in ep.finish_reasons]), "completion/truncated_frac")
+    if ep.adv is None:
+        return
     a = ep.adv.advantages  # [S]
     m.moments(a, "adv/mean", "adv/std")
     m.moments(a.abs(), "adv/abs_mean")

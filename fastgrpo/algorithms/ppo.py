@@ -33,35 +33,30 @@ from functools import partial
 
 import torch
 
-from fastgrpo.distributed import groups as fdist
+from fastgrpo.algorithms.critic import build_critic, packed_values, value_head_forward
+from fastgrpo.algorithms.interface import Algorithm, ExtraModel, StepInputs
+from fastgrpo.algorithms.tokens import (PolicyObjective, SequenceBatch, TokenInputs, importance_weights,
+                                       loss_type_weights)
 from fastgrpo.config import GRPOConfig, PPOConfig, RolloutConfig
-from fastgrpo.algorithms.critic import packed_values, value_head_forward
-from fastgrpo.runtime.errors import NonFiniteError
-from fastgrpo.update.guard import NonFiniteGuard
-from fastgrpo.kernels import linear_grpo_loss, resolve_backend
-from fastgrpo.algorithms.losses import POLICY_LOSS_OF, GlobalCounts, token_weights, truncated_importance_weights
-from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.config.loader import check
+from fastgrpo.distributed import groups as fdist
 from fastgrpo.models.packing import MicroBatch, completion_offsets
+from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.update.guard import NonFiniteGuard
 from fastgrpo.update.step import microbatch_tokens, optimizer_update, packed_logprobs, plan_step
 
-__all__ = ["PPOBatch", "clipped_value_loss", "gae", "mini_batches", "ppo_update", "token_rewards",
+__all__ = ["PPO", "PPOBatch", "clipped_value_loss", "gae", "mini_batches", "ppo_update", "token_rewards",
            "total_updates", "whiten"]
 
 WHITEN_EPS = 1e-8
 
 
 @dataclass(kw_only=True)
-class PPOBatch:
+class PPOBatch(SequenceBatch):
     """One rollout batch on this rank, as PPO's update needs it."""
 
-    prompt_ids: list[list[int]]
-    """[S] prompt token ids."""
-    completion_ids: list[list[int]]
-    """[S] completion token ids."""
     rewards: torch.Tensor
     """[S] the verifiable reward of each completion (given to its last token)."""
-    sampler_logprobs: torch.Tensor | None = None
-    """[N] the sampler's log-probs (truncated importance sampling, rollout.importance_sampling_cap), or None."""
 
 
 def _positions(lengths: list[int], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,17 +159,6 @@ def _flat_index(parts: list[int], lengths: list[int], device: torch.device | str
                         device=device)
 
 
-def _end_critic_step(guard: NonFiniteGuard, metrics: StepMetrics) -> None:
-    """``critic/skipped_updates`` of the step; the critic's non-finite updates in a row are bounded like the
-    policy's (optim.max_nonfinite_steps)."""
-    metrics.host("critic/skipped_updates", guard.skipped)
-    guard.skipped = 0
-    if guard.in_a_row >= guard.max_in_a_row:
-        raise NonFiniteError(f"{guard.in_a_row} critic updates in a row had a non-finite gradient (norm "
-                             f"{guard.last_norm}) and were skipped (optim.max_nonfinite_steps={guard.max_in_a_row}); "
-                             "lower ppo.critic_lr or ppo.vf_coef, or keep optim.max_grad_norm > 0")
-
-
 def ppo_update(policy: torch.nn.Module, critic: torch.nn.Module, batch: PPOBatch, *, grpo: GRPOConfig,
                ppo: PPOConfig, rollout: RolloutConfig, optimizer: torch.optim.Optimizer,
                critic_optimizer: torch.optim.Optimizer,
@@ -182,23 +166,27 @@ def ppo_update(policy: torch.nn.Module, critic: torch.nn.Module, batch: PPOBatch
                critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, max_grad_norm: float,
                metrics: StepMetrics, device: torch.device | str, ref_model: torch.nn.Module | None = None,
                pad_token_id: int = 0, guard: NonFiniteGuard | None = None,
-               critic_guard: NonFiniteGuard | None = None, train_policy: bool = True, seed: int = 0) -> None:
+               critic_guard: NonFiniteGuard | None = None, train_policy: bool = True, seed: int = 0,
+               max_tokens_per_microbatch: int | None = None) -> None:
     """``ppo.num_ppo_epochs`` x ``ppo.num_mini_batches`` updates of the critic, and of the policy when
     ``train_policy`` (False: the critic's warm-up), on one rollout batch (see the module docstring).
 
     ``ref_model`` gives the reference log-probs of ``grpo.beta`` (the k3 term of the loss) and of ``ppo.kl_coef``
     (the KL penalty in the reward). ``seed`` seeds the mini-batch shuffles (the trainer passes seed and step).
+    ``max_tokens_per_microbatch``, when given, replaces ``grpo.max_tokens_per_microbatch`` (the budget the trainer
+    sized from free GPU memory, as for GRPO). The guards count skipped updates; the trainer ends each model's step
+    (:meth:`fastgrpo.update.guard.NonFiniteGuard.end_step`).
     Metrics: the policy's as in GRPO, ``critic/loss``, ``critic/grad_norm``, ``critic/lr``,
     ``critic/value_clipfrac``, ``critic/explained_variance`` (1 - Var(G - V) / Var(G) of the values before the
     update), ``critic/value_mean``, ``ppo/return_mean``, ``ppo/adv_abs_mean`` (before whitening).
     """
     lens = [len(c) for c in batch.completion_ids]  # [S] host ints
     n_tok = sum(lens)
-    budget = microbatch_tokens(grpo.max_tokens_per_microbatch, device)
+    budget = max_tokens_per_microbatch or microbatch_tokens(grpo.max_tokens_per_microbatch, device)
     plan = plan_step(batch.prompt_ids, batch.completion_ids, budget, device=device, pad_token_id=pad_token_id)
-    backend = resolve_backend(grpo.head_backend, device, needs_grad=True)
+    objective = PolicyObjective.from_config(grpo, rollout, device)
     logprobs = partial(packed_logprobs, mbs=plan.mbs, num_tokens=n_tok, temperature=rollout.temperature,
-                       backend=backend)
+                       backend=objective.backend)
 
     policy.train()
     critic.train()
@@ -218,8 +206,8 @@ def ppo_update(policy: torch.nn.Module, critic: torch.nn.Module, batch: PPOBatch
         adv = whiten(adv)
     is_w = None
     if batch.sampler_logprobs is not None:  # truncated importance sampling: sampler != trainer numerics
-        is_w = truncated_importance_weights(old_lp, batch.sampler_logprobs.to(device), rollout.importance_sampling_cap)
-        metrics.add("is/weight_mean", is_w.mean())
+        is_w = importance_weights(old_lp, batch.sampler_logprobs, cap=rollout.importance_sampling_cap,
+                                  metrics=metrics)
 
     updates = ppo.num_ppo_epochs * ppo.num_mini_batches
     g = torch.Generator().manual_seed(seed)
@@ -228,54 +216,29 @@ def ppo_update(policy: torch.nn.Module, critic: torch.nn.Module, batch: PPOBatch
             p_lens = [lens[i] for i in part]
             sub = plan_step([batch.prompt_ids[i] for i in part], [batch.completion_ids[i] for i in part], budget,
                             device=device, pad_token_id=pad_token_id)
-            counts = GlobalCounts(num_sequences=sub.num_sequences, num_tokens=sub.num_tokens,
-                                  max_completion_length=rollout.max_completion_length)
-            w = token_weights(grpo.loss_type, torch.tensor(p_lens, dtype=torch.long), counts,
-                              num_tokens=sum(p_lens)).to(device)  # [n_part]
+            w = loss_type_weights(grpo.loss_type, p_lens, sub, max_completion_length=rollout.max_completion_length,
+                                  device=device)  # [n_part]
             at = _flat_index(part, lens, device)  # [n_part]: the part's tokens in the step's layout
-            take = {"adv": adv[at], "old_lp": old_lp[at], "old_v": old_values[at], "ret": returns[at],
-                    "ref_lp": None if ref_lp is None else ref_lp[at]}
             if train_policy:  # as in GRPO, the importance weights scale the policy term, not the KL term
-                w_pol = w if is_w is None else w * is_w[at]
-                optimizer_update(policy, sub.mbs, partial(_policy_loss, take=take, w=w_pol,
-                                                          w_kl=None if is_w is None or grpo.beta == 0 else w,
-                                                          grpo=grpo, rollout=rollout, backend=backend),
-                                 optimizer=optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm,
-                                 metrics=metrics, loss_divisor=updates, guard=guard)
-            optimizer_update(critic, sub.mbs, partial(_value_loss, take=take, w=w * ppo.vf_coef,
-                                                      cliprange=ppo.cliprange_value),
+                inputs = TokenInputs.build(w, adv[at], old_logprobs=old_lp[at],
+                                           ref_logprobs=None if ref_lp is None else ref_lp[at],
+                                           policy_factors=(None if is_w is None else is_w[at],),
+                                           separate_kl=objective.separate_kl)
+                optimizer_update(policy, sub.mbs, objective.head_loss(inputs), optimizer=optimizer,
+                                 scheduler=scheduler, max_grad_norm=max_grad_norm, metrics=metrics,
+                                 loss_divisor=updates, guard=guard)
+            optimizer_update(critic, sub.mbs, partial(_value_loss, old_values=old_values[at], returns=returns[at],
+                                                      w=w * ppo.vf_coef, cliprange=ppo.cliprange_value),
                              optimizer=critic_optimizer, scheduler=critic_scheduler, max_grad_norm=max_grad_norm,
                              metrics=metrics, loss_divisor=updates, guard=critic_guard, role="critic")
     metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_tokens for mb in plan.mbs) * updates)))
-    if critic_guard is not None:
-        _end_critic_step(critic_guard, metrics)
 
 
-_POLICY_STATS = ("clip_low_frac", "clip_high_frac", "kl_mean", "cispo_clip_frac")  # those the term reports
-
-
-def _policy_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor, *, take: dict, w: torch.Tensor,
-                 w_kl: torch.Tensor | None, grpo: GRPOConfig, rollout: RolloutConfig,
-                 backend: str):  # hidden [n, H], weight [V, H]
+def _value_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor, *, old_values: torch.Tensor,
+                returns: torch.Tensor, w: torch.Tensor, cliprange: float):  # hidden [n, H], weight [1, H]: the head
     i = mb.flat_index  # [n] into the mini-batch's layout
-    ref = take["ref_lp"]
-    loss, stats = linear_grpo_loss(
-        hidden, weight, mb.targets, take["adv"][i], w[i], old_logprobs=take["old_lp"][i],
-        ref_logprobs=None if ref is None or grpo.beta == 0 else ref[i], epsilon_low=grpo.epsilon_low,
-        epsilon_high=grpo.epsilon_high, delta=grpo.delta, beta=grpo.beta, temperature=rollout.temperature,
-        backend=backend, return_entropy=True, policy_loss=POLICY_LOSS_OF[grpo.loss_type],
-        sapo_temperature_pos=grpo.sapo_temperature_pos, sapo_temperature_neg=grpo.sapo_temperature_neg,
-        use_bias_correction_kl=grpo.use_bias_correction_kl, kl_token_weights=None if w_kl is None else w_kl[i])
-    counted = w[i] != 0
-    entropy = (stats["entropy"] * counted).sum() / counted.sum().clamp(min=1)
-    return loss, {**{f"policy/{k}": stats[k] for k in _POLICY_STATS if k in stats}, "policy/entropy": entropy}
-
-
-def _value_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor, *, take: dict, w: torch.Tensor,
-                cliprange: float):  # hidden [n, H], weight [1, H]: the value head
-    i = mb.flat_index
     values = value_head_forward(hidden, weight)  # [n]
-    loss, clipfrac = clipped_value_loss(values, take["old_v"][i], take["ret"][i], w[i], cliprange=cliprange)
+    loss, clipfrac = clipped_value_loss(values, old_values[i], returns[i], w[i], cliprange=cliprange)
     return loss, {"critic/value_clipfrac": clipfrac}
 
 
@@ -286,3 +249,51 @@ def total_updates(max_steps: int, ppo: PPOConfig) -> tuple[int, int]:
     per_step = ppo.num_ppo_epochs * ppo.num_mini_batches
     return max(1, (max_steps - ppo.critic_warmup_steps) * per_step), max_steps * per_step
 
+
+
+def check_ppo_config(cfg) -> None:
+    """The grpo options that PPO's update does not implement are errors, not silently ignored."""
+    g = cfg.grpo
+    check(g.num_iterations == 1, "grpo.num_iterations", "algorithm ppo reuses a batch by ppo.num_ppo_epochs instead")
+    for name, on in (("dynamic_sampling", g.dynamic_sampling), ("sil_top_k", g.sil_top_k > 0),
+                     ("top_entropy_quantile", g.top_entropy_quantile < 1),
+                     ("importance_sampling_level", g.importance_sampling_level != "token"),
+                     ("mask_truncated_completions", g.mask_truncated_completions)):
+        check(not on, f"grpo.{name}", "is a GRPO option that algorithm ppo does not implement: leave it at its default")
+    check(g.prompts_per_step * g.num_generations >= cfg.ppo.num_mini_batches, "ppo.num_mini_batches",
+          f"must be <= the sequences per rank (grpo.prompts_per_step * grpo.num_generations = "
+          f"{g.prompts_per_step * g.num_generations})")
+    check(getattr(cfg.rollout, "max_turns", 1) == 1, "rollout.max_turns",
+          "algorithm ppo trains on single-turn completions (environment tokens would get values and advantages)")
+    check(cfg.ppo.critic_warmup_steps < cfg.max_steps, "ppo.critic_warmup_steps",
+          f"must be < max_steps={cfg.max_steps} (the policy would never train)")
+
+
+def _update(ep, step: StepInputs) -> None:
+    """A step's episodes -> :class:`PPOBatch` -> :func:`ppo_update` (the trainer's update of policy and critic)."""
+    cfg, policy, critic = step.cfg, step.policy, step.extras["critic"]
+    ppo_update(policy.model, critic.model, PPOBatch(
+        prompt_ids=ep.prompt_ids, completion_ids=ep.completion_ids, rewards=ep.rewards,
+        sampler_logprobs=ep.sampler_logprobs), grpo=cfg.grpo, ppo=cfg.ppo, rollout=cfg.rollout,
+        optimizer=policy.optimizer, scheduler=policy.scheduler, critic_optimizer=critic.optimizer,
+        critic_scheduler=critic.scheduler, max_grad_norm=cfg.optim.max_grad_norm, metrics=step.metrics,
+        device=step.device, ref_model=step.ref_model, pad_token_id=step.pad_token_id, guard=policy.guard,
+        critic_guard=critic.guard, train_policy=step.step >= cfg.ppo.critic_warmup_steps,
+        seed=(cfg.seed * 1_000_003 + step.step) % (2**31), max_tokens_per_microbatch=step.max_tokens_per_microbatch)
+
+
+PPO = Algorithm(
+    name="ppo",
+    update=_update,
+    # the reference gives the k3 term of the loss (grpo.beta) and the KL penalty of the reward (ppo.kl_coef)
+    needs_reference=lambda cfg: cfg.grpo.beta > 0 or cfg.ppo.kl_coef > 0,
+    policy_updates=lambda cfg: total_updates(cfg.max_steps, cfg.ppo)[0],
+    # built before the policy, so that the policy's resume restores it too
+    extra_models={"critic": ExtraModel(
+        build=lambda setup: build_critic(setup, total_steps=total_updates(setup.cfg.max_steps, setup.cfg.ppo)[1]),
+        nonfinite_cause="lower ppo.critic_lr or ppo.vf_coef, or keep optim.max_grad_norm > 0")},
+    group_advantages=False,  # token advantages come from the critic (GAE)
+    multi_turn=False,
+    check_config=check_ppo_config,
+)
+"""A learned critic and GAE token advantages, PPO's epochs of mini-batch updates of the policy and the critic."""

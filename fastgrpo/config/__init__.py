@@ -23,7 +23,7 @@ from typing import Any
 from fastgrpo.config import loader
 from fastgrpo.config.loader import ConfigError, check_section, choices, not_a_file, registry, to_dict
 from fastgrpo.config.runs import (RESUMABLE_KEYS, RunConfig, SFTConfig, SFTOptions, TrainConfig, check_run_config,
-                                  run_defining_changes)
+                                  run_defining_changes, run_kind_of)
 from fastgrpo.config.sections import (SEEDS_SYSTEM_PROMPT, CheckpointConfig, DataConfig, EnvConfig, EvalConfig,
                                       GRPOConfig, HFRolloutConfig, LogConfig, LoraConfig, ModelConfig, OptimConfig,
                                       ParallelConfig, PPOConfig, RewardConfig, RolloutConfig, VLLMRolloutConfig)
@@ -32,7 +32,7 @@ __all__ = ["RESUMABLE_KEYS", "SEEDS_SYSTEM_PROMPT", "CheckpointConfig", "ConfigE
            "EvalConfig", "GRPOConfig", "HFRolloutConfig", "LogConfig", "LoraConfig", "ModelConfig", "OptimConfig",
            "ParallelConfig", "PPOConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig", "SFTOptions", "TrainConfig",
            "VLLMRolloutConfig", "check_run_config", "check_section", "choices", "describe", "load_config",
-           "not_a_file", "registry", "run_defining_changes", "to_dict"]
+           "not_a_file", "registry", "run_defining_changes", "run_kind_of", "to_dict"]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,

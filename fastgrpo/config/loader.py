@@ -154,14 +154,16 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         except (TypeError, ValueError):
             fail(path, f"expected a number, got {value!r}")
     if tp is str:
+        if value is None:  # YAML's null (also '~'): str(None) would be the text 'None'
+            fail(path, "expected a string, got null (YAML reads ~ and null as no value; quote them for text)")
         if isinstance(value, (dict, list)):
             fail(path, f"expected a string, got {value!r}")
         return str(value)
     return value
 
 
-def _closest(key: str, options: list[str]) -> str:
-    match = difflib.get_close_matches(key, options, n=1, cutoff=0.0)
+def _closest(key: str, options: list[Any]) -> str:
+    match = difflib.get_close_matches(key, [o for o in options if isinstance(o, str)], n=1, cutoff=0.0)
     return f"; did you mean {match[0]!r}?" if match else ""
 
 

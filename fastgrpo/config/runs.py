@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +16,18 @@ from fastgrpo.config.loader import check, check_finite, check_section, fail, reg
 from fastgrpo.config.sections import (CheckpointConfig, DataConfig, EvalConfig, GRPOConfig, LogConfig, ModelConfig,
                                       OptimConfig, ParallelConfig, PPOConfig, RewardConfig, RolloutConfig)
 
-__all__ = ["RESUMABLE_KEYS", "RunConfig", "SFTConfig", "SFTOptions", "TrainConfig", "check_run_config",
+__all__ = ["RESUMABLE_KEYS", "RunConfig", "SFTConfig", "SFTOptions", "TrainConfig", "check_run_config", "run_kind_of",
            "run_defining_changes"]
+
+ALGORITHMS_REGISTRY = "fastgrpo.algorithms.registry:ALGORITHMS"
+"""Where ``algorithm``'s choices live (read when a config is validated, so config imports no algorithm)."""
+
+
+def registered(source: str, name: str) -> Any:
+    """The entry ``name`` of the registry ``source`` ('module:NAME'), imported now (validation time)."""
+    module, _, attr = source.partition(":")
+    return getattr(importlib.import_module(module), attr)[name]
+
 
 RESUMABLE_KEYS = (
     "name", "output_dir", "max_steps", "device", "malloc_mmap_threshold", "checkpoint.", "eval.", "log.",
@@ -44,6 +56,14 @@ def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield from _leaves(value, f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}", value
+
+
+def run_kind_of(saved: dict) -> str:
+    """The run kind a config.json records ('grpo', 'sft'); for one written before the kind was recorded, the kind
+    whose own section it has ('' if neither)."""
+    if isinstance(saved.get("run_kind"), str):
+        return saved["run_kind"]
+    return "sft" if "sft" in saved else "grpo" if "grpo" in saved else ""
 
 
 def run_defining_changes(saved: dict, cfg: Any) -> list[tuple[str, Any, Any]]:
@@ -96,21 +116,27 @@ class RunConfig:
     """Other trainers' names (TRL, peft) -> the last part of ours: an unknown key that ends with one is pointed
     to the key that ends with the other (a hint only; the config itself accepts one spelling)."""
 
+    run_kind: ClassVar[str] = ""
+    """What trains: 'grpo' (fastgrpo.train) or 'sft' (fastgrpo.sft). Recorded in the run's config.json: a run folder
+    holds one kind of run, so one never resumes the other's checkpoint."""
+
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir) / self.name
+        return Path(self.output_dir).expanduser() / self.name
 
 
 @dataclass(kw_only=True)
 class TrainConfig(RunConfig):
     """A GRPO run: the shared sections plus rewards, rollout and the GRPO objective."""
 
+    run_kind: ClassVar[str] = "grpo"
+
     rewards: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    algorithm: Literal["grpo", "ppo"] = "grpo"
+    algorithm: str = field(default="grpo", metadata=registry(ALGORITHMS_REGISTRY))
     """'grpo' (group-relative advantages) or 'ppo' (a learned critic, GAE token advantages: the ppo section; the
-    clipped objective, batch shape and kernels stay grpo's)."""
+    clipped objective, batch shape and kernels stay grpo's); a name of fastgrpo.algorithms.registry.ALGORITHMS."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """PPO's critic, GAE and epochs (algorithm: ppo)."""
 
@@ -122,27 +148,11 @@ class TrainConfig(RunConfig):
         check(not (self.model.lora.modules_to_save and self.rollout.engine == "vllm"
                    and self.rollout.vllm.lora_sync == "adapter"), "rollout.vllm.lora_sync",
               "'adapter' sends the LoRA matrices only, not model.lora.modules_to_save: use 'merged'")
-        if self.algorithm == "ppo":
-            _check_ppo(self)
+        algorithm = registered(ALGORITHMS_REGISTRY, self.algorithm)
+        check(algorithm.multi_turn or not self.rollout.env.enabled, "rollout.env",
+              f"multi-turn rollouts do not train with algorithm {self.algorithm} (use grpo)")
+        algorithm.check_config(self)  # the settings the algorithm does not serve, each naming its field
         return self
-
-
-def _check_ppo(cfg: "TrainConfig") -> None:
-    """The grpo options that PPO's update does not implement are errors, not silently ignored."""
-    g = cfg.grpo
-    check(g.num_iterations == 1, "grpo.num_iterations", "algorithm ppo reuses a batch by ppo.num_ppo_epochs instead")
-    for name, on in (("dynamic_sampling", g.dynamic_sampling), ("sil_top_k", g.sil_top_k > 0),
-                     ("top_entropy_quantile", g.top_entropy_quantile < 1),
-                     ("importance_sampling_level", g.importance_sampling_level != "token"),
-                     ("mask_truncated_completions", g.mask_truncated_completions)):
-        check(not on, f"grpo.{name}", "is a GRPO option that algorithm ppo does not implement: leave it at its default")
-    check(g.prompts_per_step * g.num_generations >= cfg.ppo.num_mini_batches, "ppo.num_mini_batches",
-          f"must be <= the sequences per rank (grpo.prompts_per_step * grpo.num_generations = "
-          f"{g.prompts_per_step * g.num_generations})")
-    check(getattr(cfg.rollout, "max_turns", 1) == 1, "rollout.max_turns",
-          "algorithm ppo trains on single-turn completions (environment tokens would get values and advantages)")
-    check(cfg.ppo.critic_warmup_steps < cfg.max_steps, "ppo.critic_warmup_steps",
-          f"must be < max_steps={cfg.max_steps} (the policy would never train)")
 
 
 def check_run_config(cfg: Any, *, head_backend_field: str, sequence_level: bool = False) -> Any:
@@ -152,6 +162,7 @@ def check_run_config(cfg: Any, *, head_backend_field: str, sequence_level: bool 
     import torch  # deferred: the config modules load without torch for --help-config
 
     check_finite(cfg, "")
+    cfg.output_dir = os.path.expanduser(cfg.output_dir)  # '~/runs' is the home folder's, as in a shell
     # The run folder is output_dir/name and nothing else: a name with a separator or '..' would write (and
     # delete old checkpoints) outside output_dir.
     check(bool(cfg.name) and cfg.name not in (".", "..") and not any(c in cfg.name for c in "/\\\0"),
@@ -215,6 +226,8 @@ class SFTOptions:
 @dataclass(kw_only=True)
 class SFTConfig(RunConfig):
     """An SFT run: the shared run sections plus the SFT options."""
+
+    run_kind: ClassVar[str] = "sft"
 
     name: str = "sft"
     """Run name: outputs go to <output_dir>/<name>/."""

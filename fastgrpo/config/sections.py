@@ -68,7 +68,10 @@ class LoraConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     name_or_path: str = "tiny"
-    """'tiny' (the embedded model, built locally), a local folder, or a Hugging Face hub id (needs network)."""
+    """'tiny' (the embedded model, built locally), a named source ('smollm2-135m-instruct'), a local folder, a
+    .gguf file (dequantized once into a cached float32 folder), or a Hugging Face hub id (needs network)."""
+    gguf_file: str | None = None
+    """A GGUF file inside the folder or hub repo name_or_path (as transformers' gguf_file=); None: not GGUF."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights: 'auto' (CUDA: float32 masters, bfloat16 compute via FSDP2; CPU: float32), 'float32' or 'bfloat16'."""
     attn_implementation: str = field(default="auto",
@@ -84,12 +87,16 @@ class ModelConfig:
 
     def validate(self, p: str) -> None:
         check(bool(self.name_or_path), f"{p}.name_or_path", "must not be empty")
+        check(self.gguf_file is None or (bool(self.gguf_file) and not self.name_or_path.lower().endswith(".gguf")),
+              f"{p}.gguf_file", "names a GGUF file inside the folder or hub repo name_or_path: leave it unset when "
+              "name_or_path is itself a .gguf file, and not empty")
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     source: str = "countdown"
-    """'countdown' (seeded generator), 'toy' (the learning-test task), or a json/jsonl/parquet path or hub id."""
+    """'countdown' or 'arithmetic' (seeded generators), 'toy' (the learning-test task), or a json/jsonl/parquet path
+    or hub id."""
     prompt_column: str = "prompt"
     """File/hub data: the prompt column (a string, or a list of chat messages); every other column reaches the
     reward functions as a keyword argument. Data without it is read by a preset: countdown {nums, target}, gsm8k
@@ -109,6 +116,11 @@ class DataConfig:
     """Countdown: most numbers in a problem."""
     max_value: int = 99
     """Countdown: largest number drawn (numbers are drawn from 1..max_value)."""
+    digits: list[int] = field(default_factory=lambda: [2, 2])
+    """Arithmetic: digits of the first and second operand, each drawn uniformly among such numbers ([2, 1]: 10..99
+    and 1..9)."""
+    ops: list[str] = field(default_factory=lambda: ["+"], metadata=registry("fastgrpo.data.arithmetic:OPERATORS"))
+    """Arithmetic: operators drawn per problem, from '+', '-' (larger operand first) and '*'."""
     split: str = "train"
     """Split to read from a hub/file dataset."""
     eval_split: str | None = None
@@ -124,6 +136,9 @@ class DataConfig:
         check(2 <= self.min_numbers <= self.max_numbers <= 6, f"{p}.min_numbers",
               "need 2 <= min_numbers <= max_numbers <= 6")
         check(self.max_value >= 1, f"{p}.max_value", "must be >= 1")
+        check(len(self.digits) == 2 and all(1 <= d <= 9 for d in self.digits), f"{p}.digits",
+              f"must be two digit counts in 1..9 (first and second operand), got {self.digits}")
+        check(bool(self.ops), f"{p}.ops", "must name at least one operator")
         check(bool(self.prompt_column), f"{p}.prompt_column", "must not be empty")
 
 
@@ -244,6 +259,12 @@ class EnvConfig:
         check(self.name != "tools" or bool(self.tools), f"{p}.tools", "the 'tools' environment needs at least one tool")
         check(not self.tools or self.name == "tools", f"{p}.tools",
               f"tools are called by the 'tools' environment only; set {p}.name=tools")
+        # kwargs go to an environment's constructor: where there is none to take them they would be ignored
+        check(not self.kwargs or self.name not in ("none", "tools"), f"{p}.kwargs",
+              f"{sorted(self.kwargs)} would be ignored: " + ("the tools environment is set by rollout.env.tools, "
+                                                            "timeout_s, num_workers and max_output_chars"
+                                                            if self.name == "tools" else
+                                                            f"no environment is set ({p}.name=none)"))
 
 
 @dataclass(kw_only=True)

@@ -3,7 +3,7 @@
 ``build_datasets(cfg)`` turns a DataConfig into (train rows, eval rows, info). Each row is a dict holding its
 dataset columns (passed to reward functions as keyword arguments, except the prompt column) plus ``"task"``,
 which picks how :func:`render_prompt` builds the prompt: ``"prompt"`` for any dataset (the prompt is the column
-``DataConfig.prompt_column``), else a preset's user message (countdown, gsm8k, math, toy).
+``DataConfig.prompt_column``), else a preset's user message (arithmetic, countdown, gsm8k, math, toy).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from fastgrpo.config import DataConfig
+from fastgrpo.data.arithmetic import arithmetic_splits
 from fastgrpo.data.countdown import countdown_splits, problem_key, solve
 from fastgrpo.data.files import SCHEMAS, file_splits, validate_rows
 from fastgrpo.data.sampler import PromptSampler
@@ -28,12 +29,19 @@ def _countdown(cfg: DataConfig, cache_dir: str | None) -> tuple[Rows, Rows, dict
     return train, eval_rows, {"task": "countdown"}
 
 
+def _arithmetic(cfg: DataConfig, cache_dir: str | None) -> tuple[Rows, Rows, dict[str, Any]]:
+    train, eval_rows = arithmetic_splits(num_train=cfg.num_train, num_eval=cfg.num_eval, seed=cfg.seed, ops=cfg.ops,
+                                         digits=cfg.digits)
+    return train, eval_rows, {"task": "arithmetic"}
+
+
 def _toy(cfg: DataConfig, cache_dir: str | None) -> tuple[Rows, Rows, dict[str, Any]]:
     train, eval_rows = toy_splits(num_eval=cfg.num_eval, seed=cfg.seed)
     return train, eval_rows, {"task": "toy"}
 
 
 GENERATORS: dict[str, Callable[[DataConfig, str | None], tuple[Rows, Rows, dict[str, Any]]]] = {
+    "arithmetic": _arithmetic,
     "countdown": _countdown,
     "toy": _toy,
 }
@@ -73,6 +81,7 @@ __all__ = [
     "SCHEMAS",
     "TEMPLATES",
     "USER_MESSAGES",
+    "arithmetic_splits",
     "build_datasets",
     "countdown_splits",
     "file_splits",

@@ -63,7 +63,16 @@ def toy_user_message(row: dict[str, Any]) -> str:
     return row["prompt"]
 
 
+def arithmetic_user_message(row: dict[str, Any]) -> str:
+    return f"What is {row['a']} {row['op']} {row['b']}? Answer with just the number."
+
+
+def arithmetic_compact(row: dict[str, Any]) -> str:
+    return f"{row['a']} {row['op']} {row['b']} ="
+
+
 USER_MESSAGES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "arithmetic": arithmetic_user_message,
     "countdown": countdown_user_message,
     "gsm8k": gsm8k_user_message,
     "math": math_user_message,
@@ -72,6 +81,7 @@ USER_MESSAGES: dict[str, Callable[[dict[str, Any]], str]] = {
 """Task name -> row -> user message."""
 
 COMPACT_MESSAGES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "arithmetic": arithmetic_compact,
     "countdown": countdown_compact,
     "toy": toy_user_message,
 }

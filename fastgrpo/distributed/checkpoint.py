@@ -124,8 +124,8 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model: torch.nn.Module, optimi
     try:
         return _save_checkpoint(ckpt_dir, step, model=model, optimizer=optimizer, trainer_state=trainer_state,
                                 keep_last=keep_last, extras=extras or {})
-    except Exception as e:
-        if not is_disk_full(e):
+    except BaseException as e:  # torch's CheckpointException (what a failed DCP write raises) is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) or not is_disk_full(e):
             raise
         shutil.rmtree(ckpt_dir / f".tmp_step_{step:06d}", ignore_errors=True)
         found = list_checkpoints(ckpt_dir)

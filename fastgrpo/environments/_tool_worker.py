@@ -7,9 +7,9 @@ gives every call a deadline and kills and replaces a worker past it. Messages:
 
 - ``("load", specs)`` -> ``("importing",)``, then ``("loaded", [False, ...])`` or ``("load_error", message)``:
   import each tool (``path/to/file.py:function`` or ``module:qualname``) once;
-- ``("call", [(i, arguments, max_chars)], timeout_s)`` -> ``("done", [result])``: ``("ok", text, [])`` with the
-  tool's output as text (its printed output, then its return value, cut to ``max_chars``), or
-  ``("fail", kind, message, traceback)``.
+- ``("call", [(i, arguments, max_chars)], timeout_s, call_id)`` -> ``("done", [result], call_id, pid)``:
+  ``("ok", text, [])`` with the tool's output as text (its printed output, then its return value, cut to
+  ``max_chars``), or ``("fail", kind, message, traceback)``. A process the tool forked ends instead of answering.
 
 Nothing a tool does ends this process's loop: exceptions (SystemExit included) are failures, printed output is
 captured (at most ``max_chars`` of it is kept, so a tool that prints 10 MB costs the time to print, not the memory),
@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import os
 import sys
 import traceback
 from typing import Any
@@ -97,9 +98,10 @@ async def _await(awaitable: Any) -> Any:
 
 
 def main(argv: list[str]) -> None:
-    from fastgrpo.rewards._worker import start_worker
+    from fastgrpo.rewards._worker import answer, start_worker
 
     conn = start_worker(argv)
+    me = os.getpid()
     # Imported after the watchdog starts, as in the reward worker.
     from fastgrpo.rewards.calls import CallFailure
     from fastgrpo.rewards.loader import resolve_spec
@@ -121,12 +123,13 @@ def main(argv: list[str]) -> None:
             conn.send(("loaded", [False] * len(tools)))  # async tools are awaited here, one call per job
         elif msg[0] == "call":
             (i, arguments, max_chars), = msg[1]
+            call_id = msg[3]
             try:
                 out = [("ok", run_tool(tools[i], arguments, max_chars, loop), [])]
             except CallFailure as f:
                 out = [("fail", f.kind, f.message, f.tb)]
             try:
-                conn.send(("done", out))
+                answer(conn, out, call_id, me)
             except (BrokenPipeError, OSError):
                 return
 

@@ -22,13 +22,16 @@ import abc
 import difflib
 import hashlib
 import importlib.util
+import inspect
 import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from fastgrpo.runtime.errors import PluginError, RunError
+
 __all__ = ["ENV_REWARDS_COLUMN", "ENVIRONMENTS", "Environment", "EnvironmentFactory", "StepResult", "build_environment",
-           "register_environment", "step_result"]
+           "call_plugin", "clean_text", "register_environment", "show", "step_result"]
 
 Observation = str | list[dict[str, Any]] | None
 
@@ -71,32 +74,76 @@ class Environment(abc.ABC):
         return [env.step(text) for env, text in zip(envs, texts)]
 
 
+def show(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for an error message about a plugin's value: never raises (an
+    int of 5,000 digits has no repr, a class's ``__repr__`` may raise) and has no lone surrogates."""
+    try:
+        text = repr(value)
+    except BaseException:  # noqa: BLE001 (user code: whatever its __repr__ raises)
+        text = f"<a {type(value).__name__} with no repr>"
+    text = clean_text(text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def clean_text(text: str) -> str:
+    """``text`` with each lone surrogate (half of a UTF-16 pair, which JSON's ``\\ud800`` escapes and Python strings
+    allow, but UTF-8 and so every tokenizer refuses) replaced by U+FFFD; a valid pair becomes its character."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def call_plugin(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, where ``fn`` is an environment's code (``what``: e.g. ``'GuessNumber.step'``): the one error
+    boundary around it. Whatever it raises, a SystemExit included (a plugin never ends the run, silently or not),
+    becomes a :class:`~fastgrpo.runtime.errors.PluginError` naming ``what``: one line, not a traceback from inside
+    the trainer. Ctrl-C and fastgrpo's own run errors (e.g. a tool worker's) go through unchanged."""
+    try:
+        return fn(*args)
+    except (KeyboardInterrupt, RunError):
+        raise
+    except BaseException as e:  # noqa: BLE001
+        raise PluginError(f"environment {what} raised {type(e).__name__}: {clean_text(str(e))[:200]}") from None
+
+
+def _done(value: Any, name: str) -> bool:
+    """A step's ``done``: a bool, an int, or a one-value array / tensor (numpy's bool_, a 0-d tensor)."""
+    if isinstance(value, (bool, int)) or tuple(getattr(value, "shape", (None,))) == ():
+        try:
+            return bool(value)
+        except Exception:  # noqa: BLE001 (a 0-d object whose __bool__ raises)
+            pass
+    raise PluginError(f"environment {name}.step returned done={show(value, 60)}; expected True or False")
+
+
 def step_result(out: Any, env: Environment) -> StepResult:
-    """Check what ``env.step`` returned; ValueError naming the environment for anything but
-    ``(observation, reward, done)``."""
+    """Check what ``env.step`` returned; a PluginError (one line, naming the environment) for anything but
+    ``(observation, reward, done)`` with a string / chat messages / None, a finite number / None and a bool."""
     name = type(env).__name__
     if not isinstance(out, (tuple, list)) or len(out) != 3:
-        raise ValueError(f"environment {name}.step returned {out!r:.80}; expected (observation, reward, done)")
+        raise PluginError(f"environment {name}.step returned {show(out)}; expected (observation, reward, done)")
     observation, reward, done = out
     if observation is None:
         messages = []
     elif isinstance(observation, str):
-        messages = [{"role": env.observation_role, "content": observation}]
+        messages = [{"role": env.observation_role, "content": clean_text(observation)}]
     elif isinstance(observation, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str)
                                                and isinstance(m.get("role"), str) for m in observation):
-        messages = [dict(m) for m in observation]
+        messages = [{k: clean_text(v) if isinstance(v, str) else v for k, v in m.items()} for m in observation]
     else:
-        raise ValueError(f"environment {name}.step returned the observation {observation!r:.80}; expected a string, "
-                         "a list of chat messages ({'role': ..., 'content': str}) or None")
+        raise PluginError(f"environment {name}.step returned the observation {show(observation)}; expected a "
+                          "string, a list of chat messages ({'role': ..., 'content': str}) or None")
     if reward is not None:
         try:
             reward = float(reward)
-        except (TypeError, ValueError):
-            raise ValueError(f"environment {name}.step returned the reward {reward!r:.40}; expected a number or "
-                             "None") from None
+        except (TypeError, ValueError, OverflowError):
+            raise PluginError(f"environment {name}.step returned the reward {show(reward, 40)}; expected a number "
+                              "(within float range) or None") from None
         if not math.isfinite(reward):
-            raise ValueError(f"environment {name}.step returned the reward {reward}; rewards must be finite")
-    return StepResult(messages, reward, bool(done))
+            raise PluginError(f"environment {name}.step returned the reward {reward}; rewards must be finite")
+    return StepResult(messages, reward, _done(done, name))
 
 
 class EnvironmentFactory:
@@ -104,6 +151,7 @@ class EnvironmentFactory:
 
     def __init__(self, cls: type[Environment], kwargs: dict[str, Any] | None = None) -> None:
         self.cls, self.kwargs = cls, dict(kwargs or {})
+        check_kwargs(cls, self.kwargs)
         self._counters: dict[str, list[float]] = {}
 
     @property
@@ -111,7 +159,7 @@ class EnvironmentFactory:
         return list(self.cls.tool_schemas)
 
     def new(self) -> Environment:
-        return self.cls(**self.kwargs)
+        return call_plugin(f"{self.cls.__name__}(**rollout.env.kwargs)", lambda: self.cls(**self.kwargs))
 
     def count(self, name: str, value: float) -> None:
         """Record one event's value under metric ``env/<name>``: a step logs the mean over its events for a name
@@ -125,6 +173,24 @@ class EnvironmentFactory:
 
     def close(self) -> None:
         """Release what the environments share."""
+
+
+def check_kwargs(cls: type, kwargs: dict[str, Any]) -> None:
+    """ValueError naming ``rollout.env.kwargs`` unless ``cls(**kwargs)`` binds to the constructor's signature (a
+    misspelt key, a missing required one): checked when the run starts, not at the first rollout after the model
+    has loaded."""
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):  # no signature to read (a C type): the constructor will say
+        return
+    try:
+        sig.bind(**kwargs)
+    except TypeError as e:
+        params = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        unknown = [k for k in kwargs if k not in params]
+        hint = difflib.get_close_matches(unknown[0], params, n=1) if unknown and params else []
+        raise ValueError(f"rollout.env.kwargs: {cls.__name__}({', '.join(params)}) {e}"
+                         f"{f' (did you mean {hint[0]!r}?)' if hint else ''}") from None
 
 
 ENVIRONMENTS: dict[str, Callable[..., EnvironmentFactory]] = {}

@@ -118,15 +118,15 @@ def parse_qwen_tool_calls(text: str) -> list[ToolCall]:
     calls = []
     for body in _QWEN_CALL.findall(text):
         try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as e:
-            calls.append(ToolCall(error=f"the tool call is not valid JSON ({e.msg} at character {e.pos})"))
+            obj = _loads(body)
+        except ValueError as e:
+            calls.append(ToolCall(error=str(e)))
             continue
         args = obj.get("arguments", {}) if isinstance(obj, dict) else None
         if isinstance(args, str):
             try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
+                args = _loads(args)
+            except ValueError:
                 args = None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
             calls.append(ToolCall(error='a tool call is {"name": <tool name>, "arguments": {<name>: <value>}}'))
@@ -135,6 +135,20 @@ def parse_qwen_tool_calls(text: str) -> list[ToolCall]:
     if text.count("<tool_call>") > text.count("</tool_call>"):
         calls.append(ToolCall(error="a <tool_call> block was not closed with </tool_call>"))
     return calls
+
+
+def _loads(text: str) -> Any:
+    """A model's JSON -> the value; ValueError with the tool message's text for anything Python's ``json`` cannot
+    read, including what it raises besides JSONDecodeError: nesting past the recursion limit (RecursionError) and
+    integers of more than 4,300 digits (int's string conversion limit)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the tool call is not valid JSON ({e.msg} at character {e.pos})") from None
+    except RecursionError:
+        raise ValueError("the tool call is nested too deeply to read") from None
+    except ValueError as e:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        raise ValueError(f"the tool call cannot be read: {str(e)[:120]}") from None
 
 
 TOOL_CALL_FORMATS: dict[str, Callable[[str], list[ToolCall]]] = {"qwen": parse_qwen_tool_calls}
@@ -163,6 +177,8 @@ class ToolPool(WorkerPool):
     deadline, a worker past it is killed and replaced, a worker that dies is replaced."""
 
     worker_module = "fastgrpo.environments._tool_worker"
+    what, noun = "rollout.env.tools", "tool"
+    timeout_key = f"rollout.env.timeout_s; an import gets at least {IMPORT_TIMEOUT_S:g} s"
 
 
 class ToolsFactory(EnvironmentFactory):
@@ -173,13 +189,15 @@ class ToolsFactory(EnvironmentFactory):
         self.timeout_s, self.max_output_chars = cfg.timeout_s, cfg.max_output_chars
         self.parse = TOOL_CALL_FORMATS[cfg.tool_call_format]
         self.pool = ToolPool(specs, size=cfg.num_workers, timeout_s=cfg.timeout_s)
-        try:
-            # a tool file that fails, exits or hangs at import is an error now (an import may take longer than a call)
-            self.pool.wait_ready(max(cfg.timeout_s, IMPORT_TIMEOUT_S))
-        except ValueError as e:
-            raise ValueError(f"rollout.env.tools: {e}".replace("the rewards", "the tools")) from None
+        # a tool file that fails, exits or hangs at import is an error now (an import may take longer than a call)
+        self.pool.wait_ready(max(cfg.timeout_s, IMPORT_TIMEOUT_S))
         funcs = [resolve_spec(s) for s in specs]  # in this process too, for the schemas (imported safely above)
         self.names = [getattr(f, "__name__", s.rpartition(":")[2]) for f, s in zip(funcs, specs)]
+        for k, name in enumerate(self.names):  # the model calls a tool by name: two of one name, one never runs
+            if name in self.names[:k]:
+                raise ValueError(f"rollout.env.tools: {specs[self.names.index(name)]!r} and {specs[k]!r} are both "
+                                 f"named {name!r}; the model calls tools by name, so one of them could never be "
+                                 "called: rename one")
         self._schemas = tool_schemas(funcs)
         self._counters: dict[str, list[float]] = {}
 

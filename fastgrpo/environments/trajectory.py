@@ -32,13 +32,16 @@ from typing import Any, Callable
 
 import torch
 
-from fastgrpo.environments.base import ENV_REWARDS_COLUMN, Environment, EnvironmentFactory, step_result
+from fastgrpo.environments.base import (ENV_REWARDS_COLUMN, Environment, EnvironmentFactory, call_plugin, clean_text,
+                                        show, step_result)
+from fastgrpo.rewards.calls import own_copy
+from fastgrpo.runtime.errors import ContextError, PluginError
 from fastgrpo.algorithms.episodes import Episodes, score_episodes
 from fastgrpo.rewards import RewardRunner
 from fastgrpo.rollout import Completion, RolloutEngine, SamplingParams
 
-__all__ = ["ObservationRenderer", "ToolsTemplate", "Trajectory", "TrajectoryEngine", "collect_trajectories",
-           "reset_environments", "run_trajectories", "turn_seed"]
+__all__ = ["ObservationRenderer", "ToolsTemplate", "Trajectory", "TrajectoryCompletion", "TrajectoryEngine",
+           "collect_trajectories", "reset_environments", "run_trajectories", "turn_seed"]
 
 
 @dataclass
@@ -188,7 +191,11 @@ def run_trajectories(engine: RolloutEngine, envs: list[Environment], prompt_ids:
     budget = sampling.max_tokens
     trajs = [Trajectory(logprobs=[] if sampling.logprobs else None) for _ in envs]
     # the first turn: G samples per prompt in one call (engines share the prompt's prefill among them)
-    first = [c for g in engine.generate(prompt_ids, group_size, sampling) for c in g]  # [S]
+    try:
+        first = [c for g in engine.generate(prompt_ids, group_size, sampling) for c in g]  # [S]
+    except ContextError as e:  # the dataset's prompts were checked before the model loaded: this one is the env's
+        raise ContextError(f"environment {type(envs[0]).__name__}.reset: its first message makes a prompt too long: "
+                           f"{e}; shorten that message or lower rollout.max_completion_length") from None
     acting = [s for s, c in enumerate(first) if not _take_turn(trajs[s], c, c.text)]
     turn = 1
     while (sync([int(bool(acting))])[0] if sync is not None else acting):  # a rank takes part while any acts
@@ -197,10 +204,11 @@ def run_trajectories(engine: RolloutEngine, envs: list[Environment], prompt_ids:
             by_class.setdefault(type(envs[s]), []).append(s)
         waiting = []
         for cls, members in by_class.items():
-            outs = cls.step_many([envs[s] for s in members], [trajs[s].messages[-1]["content"] for s in members])
-            if len(outs) != len(members):
-                raise ValueError(f"environment {cls.__name__}.step_many returned {len(outs)} results for "
-                                 f"{len(members)} trajectories")
+            outs = call_plugin(f"{cls.__name__}.step", cls.step_many, [envs[s] for s in members],
+                               [trajs[s].messages[-1]["content"] for s in members])
+            if not isinstance(outs, (list, tuple)) or len(outs) != len(members):
+                raise PluginError(f"environment {cls.__name__}.step_many returned {show(outs, 60)} for "
+                                  f"{len(members)} trajectories; expected one (observation, reward, done) each")
             for s, out in zip(members, outs):
                 t, res = trajs[s], step_result(out, envs[s])
                 if res.reward is not None:
@@ -248,18 +256,23 @@ class ToolsTemplate:
 def reset_environments(envs: list[Environment], rows: list[dict[str, Any]], group_size: int, prompt_texts: list[str],
                        prompt_ids: list[list[int]], render: ObservationRenderer) -> tuple[list[str], list[list[int]]]:
     """Reset ``envs`` [B*G] on their rows; the prompts [B], with the environment's first message (rendered by the
-    chat template, with the tools) in place of the dataset's prompt where it gives one."""
+    chat template, with the tools) in place of the dataset's prompt where it gives one.
+
+    Each environment gets its own copy of its row (rows are the dataset's own dicts: a ``reset`` that changed its
+    row would change the data of every later step, and a resumed run would diverge from an uninterrupted one)."""
     prompt_texts, prompt_ids = list(prompt_texts), list(prompt_ids)
     for b, row in enumerate(rows):
-        firsts = [envs[b * group_size + j].reset(row) for j in range(group_size)]
+        name = type(envs[b * group_size]).__name__
+        firsts = [call_plugin(f"{name}.reset", envs[b * group_size + j].reset, own_copy(row))
+                  for j in range(group_size)]
+        if firsts[0] is not None and not isinstance(firsts[0], str):
+            raise PluginError(f"environment {name}.reset returned {show(firsts[0], 60)}; expected the first user "
+                              "message (a string) or None")
         if any(f != firsts[0] for f in firsts):
-            raise ValueError(f"environment {type(envs[0]).__name__}.reset gave different first messages for one row; "
-                             "the trajectories of a row share their prompt")
+            raise PluginError(f"environment {name}.reset gave different first messages for one row; the "
+                              "trajectories of a row share their prompt")
         if firsts[0] is not None:
-            if not isinstance(firsts[0], str):
-                raise ValueError(f"environment {type(envs[0]).__name__}.reset returned {firsts[0]!r:.60}; expected "
-                                 "the first user message (a string) or None")
-            prompt_texts[b] = render.prompt([{"role": "user", "content": firsts[0]}])
+            prompt_texts[b] = render.prompt([{"role": "user", "content": clean_text(firsts[0])}])
             prompt_ids[b] = render.tokenizer(prompt_texts[b], add_special_tokens=False)["input_ids"]
     return prompt_texts, prompt_ids
 
@@ -292,11 +305,22 @@ def collect_trajectories(engine: RolloutEngine, factory: EnvironmentFactory, row
         model_masks=[t.model_mask for t in trajs])
 
 
+@dataclass(kw_only=True)
+class TrajectoryCompletion(Completion):
+    """A whole trajectory as a Completion, with what its reward functions get in training."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The conversation after the prompt (the reward functions' ``completions`` entry)."""
+    env_rewards: list[float] = field(default_factory=list)
+    """The environment's per-turn rewards (the ``env_rewards`` column)."""
+
+
 class TrajectoryEngine(RolloutEngine):
     """An engine whose completions are whole trajectories, for code that samples through ``generate`` (held-out
-    evaluation): each completion's ``token_ids`` are the trajectory after the prompt and its ``text`` the last
-    assistant turn (what a reward reads from a message list). ``rows`` [B] are the rows of the prompts it will be
-    asked for, in order (environments reset on them)."""
+    evaluation): each completion (a :class:`TrajectoryCompletion`) has the trajectory after the prompt as
+    ``token_ids``, the last assistant turn as ``text``, and the conversation and per-turn rewards that the reward
+    functions get in training, so an evaluation scores what training rewards. ``rows`` [B] are the rows of the
+    prompts it will be asked for, in order (environments reset on them)."""
 
     def __init__(self, engine: RolloutEngine, factory: EnvironmentFactory, render: ObservationRenderer, *,
                  rows: list[dict[str, Any]], max_turns: int, sync: Sync | None = None) -> None:
@@ -306,13 +330,14 @@ class TrajectoryEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         if len(prompts) != len(self.rows):
             raise ValueError(f"TrajectoryEngine: {len(prompts)} prompts for {len(self.rows)} rows")
-        envs = [self.factory.new() for _ in range(len(prompts) * n)]
+        envs = [self.factory.new() for _ in range(len(prompts) * n)]  # fresh ones: eval never shares a trajectory
         _, prompts = reset_environments(envs, self.rows, n, [""] * len(prompts), prompts, self.render)
         trajs = run_trajectories(self.engine, envs, prompts, group_size=n, sampling=sampling,
                                  max_turns=self.max_turns, render=self.render, tokenizer=self.render.tokenizer,
                                  sync=self.sync)
-        comps = [Completion(token_ids=t.ids, text=t.messages[-1]["content"], finish_reason=t.finish_reason,
-                            logprobs=t.logprobs) for t in trajs]
+        comps = [TrajectoryCompletion(token_ids=t.ids, text=t.messages[-1]["content"], finish_reason=t.finish_reason,
+                                      logprobs=t.logprobs, messages=t.messages, env_rewards=t.env_rewards)
+                 for t in trajs]
         return [comps[b * n:(b + 1) * n] for b in range(len(prompts))]
 
     def update_weights(self, named_tensors: Any) -> None:

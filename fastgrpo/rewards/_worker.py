@@ -7,9 +7,11 @@ Talks to the trainer over the socket FD with pickled messages (``multiprocessing
 - ``("load", specs)`` -> ``("importing",)`` (the worker's own start-up is done: the import's time bound starts),
   then ``("loaded", [is_async, ...])`` or ``("load_error", message)``: import each reward function
   (``path/file.py:name`` plugin or ``module:qualname``) once;
-- ``("call", [(i, kwargs, n), ...], timeout_s)`` -> ``("done", [result, ...])``: a result is
-  ``("ok", values, bad)`` or ``("fail", kind, message, traceback)``. A list of several calls holds async
-  functions only, awaited concurrently on this worker's event loop.
+- ``("call", [(i, kwargs, n), ...], timeout_s, call_id)`` -> ``("done", [result, ...], call_id, pid)``: a result
+  is ``("ok", values, bad)`` or ``("fail", kind, message, traceback)``. A list of several calls holds async
+  functions only, awaited concurrently on this worker's event loop. The answer carries the call's id and this
+  process's pid, and a process that a function forked exits instead of answering (:func:`answer`), so a fork's
+  return can never become another call's result.
 
 The worker never ends the run: it catches everything a reward function raises (SystemExit included) and ignores
 SIGINT and SIGTERM (the trainer decides when it stops). It dies with the trainer (PR_SET_PDEATHSIG on Linux, and a
@@ -54,8 +56,17 @@ def start_worker(argv: list[str]) -> Connection:
     return Connection(fd)
 
 
+def answer(conn: Connection, results: list, call_id: int, worker_pid: int) -> None:
+    """Send a call's results, tagged with its id and this process's pid. A process the function forked returns
+    here too (its pid is not ``worker_pid``): it ends at once, before it could answer or read the next call."""
+    if os.getpid() != worker_pid:
+        os._exit(0)
+    conn.send(("done", results, call_id, worker_pid))
+
+
 def main(argv: list[str]) -> None:
     conn = start_worker(argv)
+    me = os.getpid()
     # Imported after the watchdog starts: a parent killed while they load must still take this process with it.
     from fastgrpo.rewards.calls import CallFailure, call, gather, is_async, own_copy
     from fastgrpo.rewards.loader import resolve_spec
@@ -77,7 +88,7 @@ def main(argv: list[str]) -> None:
                 continue
             conn.send(("loaded", [is_async(f) for f in funcs]))
         elif msg[0] == "call":
-            _, calls, timeout_s = msg
+            _, calls, timeout_s, call_id = msg
             if len(calls) == 1 and not is_async(funcs[calls[0][0]]):
                 i, kwargs, n = calls[0]
                 try:
@@ -90,11 +101,12 @@ def main(argv: list[str]) -> None:
                     timeout_s, catch=everything))
             out = [("fail", r.kind, r.message, r.tb) if isinstance(r, CallFailure) else ("ok", *r) for r in results]
             try:
-                conn.send(("done", out))
+                answer(conn, out, call_id, me)
             except (BrokenPipeError, OSError):
                 return
             except Exception as e:  # unpicklable output cannot happen (values are floats), but never hang the parent
-                conn.send(("done", [("fail", "exception", f"could not send the result: {e!r}", "")] * len(calls)))
+                answer(conn, [("fail", "exception", f"could not send the result: {e!r}", "")] * len(calls), call_id,
+                       me)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ ranks every other rank too; an ``os._exit`` or a segfault would end it. So such 
   a ``timeout`` failure. A worker that dies is replaced and the call is a ``crash`` failure;
 - calls of different functions run on different workers at once; async functions all go to one worker, which
   awaits them concurrently on its event loop, each with the same time bound;
+- every call carries an id, and only an answer with that id from the worker's own pid is its result (a function
+  that forks leaves a second process on the worker's socket: it exits before answering, and nothing it could write
+  becomes another call's result);
 - :meth:`WorkerPool.interrupt` (the trainer's SIGTERM handler) abandons the calls in flight at once;
 - :meth:`WorkerPool.close` (also at interpreter exit) kills every worker. A trainer killed with SIGKILL takes its
   workers with it (PR_SET_PDEATHSIG), so no worker outlives the run.
@@ -64,6 +67,7 @@ class _Worker:
     started: float = field(default_factory=time.monotonic)
     importing: float | None = None  # when it began to import the functions (its own start-up done)
     job: int = -1  # index of the job it runs
+    call_id: int = -1  # the id its answer must carry (a stale or forked process's message carries another)
     deadline: float = 0.0
 
 
@@ -73,6 +77,8 @@ class WorkerPool:
     worker_module = "fastgrpo.rewards._worker"
     """The module each worker runs (``python -m``); another protocol-compatible worker (the tool worker of
     :mod:`fastgrpo.environments`) reuses the pool's deadlines, restarts and interrupts."""
+    what, noun, timeout_key = "rewards.funcs", "reward", "rewards.timeout_s"
+    """How the pool's messages name what its workers run (the config key, the word) and their time bound."""
 
     def __init__(self, specs: list[str], *, size: int, timeout_s: float) -> None:
         if size < 1:
@@ -81,6 +87,7 @@ class WorkerPool:
         self.is_async: list[bool] | None = None  # per spec, known once a worker has loaded them
         self._interrupt = threading.Event()
         self.restarts = 0
+        self._next_id = 0
         self._workers: list[_Worker] = []
         # Kills the workers on close(), when the pool is garbage (a Trainer whose construction failed), and at exit.
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
@@ -139,9 +146,9 @@ class WorkerPool:
             if late:
                 self.close()
                 bounded = timeout_s is not None and late[0].importing is not None
-                bound = f"rewards.timeout_s={timeout_s:g} s" if bounded else f"{LOAD_TIMEOUT_S:g} s"
-                raise ValueError(f"importing the rewards {self.specs} took more than {bound} (does a plugin file "
-                                 "wait or loop at import?)")
+                bound = f"{timeout_s:g} s ({self.timeout_key})" if bounded else f"{LOAD_TIMEOUT_S:g} s"
+                raise ValueError(f"{self.what}: importing {self.specs} took more than {bound} (does a {self.noun} "
+                                 "file wait or loop at import?)")
             ready = wait(list(loading), timeout=max(0.0, min(map(deadline, loading.values())) - time.monotonic()))
             for conn in ready:
                 w = loading[conn]
@@ -149,13 +156,14 @@ class WorkerPool:
                     msg = conn.recv()
                 except (EOFError, OSError):
                     self.close()
-                    raise ValueError(f"importing the rewards {self.specs} ended the process ({_exit_status(w)}): a "
-                                     "plugin file must not exit at import; run the import by hand to see why") from None
+                    raise ValueError(f"{self.what}: importing {self.specs} ended the process ({_exit_status(w)}): "
+                                     f"a {self.noun} file must not exit at import; run the import by hand to see why") \
+                        from None
                 try:
                     self._on_load_message(w, msg)
-                except ValueError:
+                except ValueError as e:
                     self.close()
-                    raise
+                    raise ValueError(f"{self.what}: {e}") from None
         assert self.is_async is not None
         return self.is_async
 
@@ -198,13 +206,14 @@ class WorkerPool:
                 continue
             j = pending[0]
             deadline = self.timeout_s + (ASYNC_GRACE_S if len(jobs[j]) > 1 or self.is_async[jobs[j][0][0]] else 0)
+            self._next_id += 1
             try:
-                w.conn.send(("call", jobs[j], self.timeout_s))
+                w.conn.send(("call", jobs[j], self.timeout_s, self._next_id))
             except (BrokenPipeError, ConnectionError, OSError):  # it died while idle: replace it, the job waits
                 self._replace(w)
                 continue
             pending.popleft()
-            w.state, w.job, w.deadline = "busy", j, time.monotonic() + deadline
+            w.state, w.job, w.call_id, w.deadline = "busy", j, self._next_id, time.monotonic() + deadline
 
     def _collect(self, jobs: list[list[Call]], results: list) -> None:
         waiting = {w.conn: w for w in self._workers if w.state in ("busy", "loading")}
@@ -220,25 +229,27 @@ class WorkerPool:
                         jobs[w.job])
                     self._replace(w)
                 else:
-                    raise RewardError(f"a restarted reward worker died while importing {self.specs} "
+                    raise RewardError(f"a restarted {self.noun} worker died while importing {self.specs} "
                                       f"({_exit_status(w)})") from None
                 continue
             if w.state == "loading":
                 try:
                     self._on_load_message(w, msg)
                 except ValueError as e:  # it imported at start, and fails now: the plugin file changed?
-                    raise RewardError(f"a restarted reward worker could not import the rewards: {e}") from None
+                    raise RewardError(f"a restarted {self.noun} worker could not import {self.specs}: {e}") from None
+                continue
+            if not _answers(msg, w):  # not this job's answer (a process the function forked wrote it): dropped
                 continue
             results[w.job] = [CallFailure(r[1], r[2], r[3]) if r[0] == "fail" else (r[1], r[2]) for r in msg[1]]
             w.state = "idle"
         now = time.monotonic()
         for w in list(self._workers):
             if w.state == "busy" and now > w.deadline and results[w.job] is None:
-                message = f"did not finish within rewards.timeout_s={self.timeout_s:g} s; its worker was killed"
+                message = f"did not finish within {self.timeout_key}={self.timeout_s:g} s; its worker was killed"
                 results[w.job] = [CallFailure("timeout", message)] * len(jobs[w.job])
                 self._replace(w)
             if w.state == "loading" and now - w.started > LOAD_TIMEOUT_S:
-                raise RewardError(f"a restarted reward worker took more than {LOAD_TIMEOUT_S:g} s to import "
+                raise RewardError(f"a restarted {self.noun} worker took more than {LOAD_TIMEOUT_S:g} s to import "
                                   f"{self.specs}")
 
     # -------------------------------------------------------------------------------------------- control
@@ -269,6 +280,15 @@ def import_in_worker(specs: list[str], *, timeout_s: float) -> None:
         pool.wait_ready(timeout_s)
     finally:
         pool.close()
+
+
+def _answers(msg: Any, w: _Worker) -> bool:
+    """Whether ``msg`` is the answer to the job worker ``w`` runs: ``("done", results, call id, pid)`` with that
+    job's call id, from the worker's own process. A function that forks leaves a second process on the worker's
+    socket; each call's id and the sender's pid keep whatever that process writes from becoming another job's
+    result (the worker also ends such a process before it can answer, see ``_worker.answer``)."""
+    return (isinstance(msg, tuple) and len(msg) == 4 and msg[0] == "done" and w.state == "busy"
+            and msg[2] == w.call_id and msg[3] == w.proc.pid)
 
 
 def _exit_status(w: _Worker) -> str:

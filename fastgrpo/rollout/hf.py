@@ -53,6 +53,7 @@ from fastgrpo.models.policy_state import is_lora
 from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
 from fastgrpo.rollout.kv_cache import preallocated_kv_cache
 from fastgrpo.rollout.lean_decode import GraphedStep, LeanDecoder, lean_unsupported_reason
+from fastgrpo.runtime.errors import ContextError
 
 __all__ = ["HFEngine", "sample_next", "sample_rows"]
 
@@ -240,6 +241,11 @@ class HFEngine(RolloutEngine):
         self.pad_id = pad if pad is not None else self.eos_ids[0]  # any id works: pad positions are masked
         # Only the last position's logits are needed; skip the [N, P, V] prefill logits where supported.
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        text_config = model.config.get_text_config() if hasattr(model, "config") else None
+        self.max_positions: int | None = getattr(text_config, "max_position_embeddings", None)
+        """The model's positions: no request runs past them (transformers would only warn, on untrained
+        positions). The trainer checks the dataset's prompts before the model loads; this catches the prompts
+        that exist only at run time (an environment's first message, a long conversation)."""
 
     @classmethod
     def from_setup(cls, setup: EngineSetup) -> "HFEngine":
@@ -259,8 +265,17 @@ class HFEngine(RolloutEngine):
 
     # -- RolloutEngine ----------------------------------------------------------------------------------------
 
+    def check_positions(self, prompts: list[list[int]], max_tokens: int) -> None:
+        """ContextError unless the longest prompt + ``max_tokens`` fits the model's positions."""
+        longest = max(map(len, prompts), default=0)
+        if self.max_positions and longest + max_tokens > self.max_positions:
+            raise ContextError(f"a prompt of {longest} tokens + {max_tokens} new tokens (rollout.max_completion_length"
+                               f" or what a trajectory has left of it) = {longest + max_tokens} positions, more than "
+                               f"the model's {self.max_positions} (max_position_embeddings)")
+
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         self.check_request(prompts, n, sampling)
+        self.check_positions(prompts, sampling.max_tokens)
         seqs = [p for p in prompts for _ in range(n)]  # prompt-major: sequence b*n + j is sample j of prompt b
         device = self._device()
         was_training = self.model.training

@@ -194,17 +194,29 @@ class VLLMEngine(RolloutEngine):
         if r.vllm.lora_sync == "adapter" and is_lora(setup.model):
             lora_rank = max(c.r for c in setup.model.peft_config.values())
         # The engine adds the rank to the seed itself (ranks sample differently): pass the run's seed.
-        return cls(model_path, r.vllm, max_model_len=max_model_len, tokenizer=setup.tokenizer, seed=setup.seed,
-                   lora_rank=lora_rank, rank=setup.rank, world_size=setup.world_size)
+        engine = cls(model_path, r.vllm, max_model_len=max_model_len, tokenizer=setup.tokenizer, seed=setup.seed,
+                     lora_rank=lora_rank, rank=setup.rank, world_size=setup.world_size)
+        engine.derived_context = r.vllm.max_model_len is None
+        return engine
+
+    derived_context = False
+    """The context was derived at start-up (rollout.vllm.max_model_len null): the longest dataset prompt's bound +
+    rollout.max_completion_length, at most the model's max_position_embeddings."""
 
     def check_lengths(self, prompt_len: int, max_completion_length: int) -> None:
         """Raise ValueError unless a ``prompt_len``-token prompt plus ``max_completion_length`` new tokens fit
         in the engine's context (every :meth:`generate` checks its longest prompt)."""
         if prompt_len + max_completion_length > self.max_model_len:
-            raise ValueError(
-                f"rollout.vllm.max_model_len={self.max_model_len} is shorter than the longest prompt ({prompt_len} "
-                f"tokens) + rollout.max_completion_length ({max_completion_length}) = "
-                f"{prompt_len + max_completion_length}; raise rollout.vllm.max_model_len (or leave it null)")
+            need = (f"the longest prompt ({prompt_len} tokens) + rollout.max_completion_length "
+                    f"({max_completion_length}) = {prompt_len + max_completion_length}")
+            if self.derived_context:  # null already: the bound it was derived from is what this prompt exceeds
+                raise ValueError(
+                    f"the vLLM engine's context ({self.max_model_len} tokens, derived at start-up from the dataset's "
+                    f"prompts since rollout.vllm.max_model_len is null, at most the model's max_position_embeddings) "
+                    f"is shorter than {need} (a prompt made at run time, e.g. an environment's first message?); set "
+                    "rollout.vllm.max_model_len to what it needs, within the model's positions, or shorten the prompt")
+            raise ValueError(f"rollout.vllm.max_model_len={self.max_model_len} is shorter than {need}; raise "
+                             "rollout.vllm.max_model_len (or leave it null)")
 
     # -- RolloutEngine --------------------------------------------------------------------------------------------
 

@@ -24,6 +24,17 @@ class Preempted(RunError):
     """SIGTERM stopped the run before max_steps; it saved a checkpoint, and the same command resumes it."""
 
 
+class PluginError(RunError, ValueError):
+    """User code that fastgrpo calls (an environment's ``reset``/``step``, its constructor) raised, exited or
+    returned something it cannot use: the run stops with one line naming the class, the method and what it did.
+    A ValueError too: before training starts it is bad input (exit 2), like any other."""
+
+
+class ContextError(RunError, ValueError):
+    """A rollout request does not fit the model's positions (a prompt that only exists at run time, e.g. an
+    environment's first message): past ``max_position_embeddings`` a model runs on untrained positions."""
+
+
 class DiskFullError(RunError):
     """A write failed for lack of space (or quota)."""
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fastgrpo.runtime.errors import DiskFullError, is_disk_full
+from fastgrpo.runtime.files import write_atomic
 
 
 # Dense bf16 peak FLOP/s by device-name substring (vendor data sheets, no sparsity).
@@ -205,9 +206,7 @@ def drop_records_after(path: Path, step: int) -> None:
         if isinstance(record, dict) and record.get("step", 0) <= step:
             kept.append(ln if ln.endswith("\n") else ln + "\n")  # the next append must start a new line
     if kept != lines:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, "".join(kept))
 
 
 def json_safe(value: Any) -> Any:
@@ -337,7 +336,14 @@ class RunLog:
             run_dir.mkdir(parents=True, exist_ok=True)
             for log in ("metrics.jsonl", "completions.jsonl"):
                 drop_records_after(run_dir / log, step)
-            (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+            try:  # atomic: a full disk leaves the old config.json whole, and the run can resume once there is room
+                write_atomic(run_dir / "config.json", json.dumps(config, indent=2))
+            except OSError as e:
+                if not is_disk_full(e):
+                    raise
+                raise DiskFullError(f"no space left on the device while writing {run_dir / 'config.json'} (the "
+                                    "previous one is intact); free some space and run the same command again") \
+                    from None
             self.sinks = [SINKS[s].for_run(run_dir, name=name, project=project, config=config) for s in report_to]
             self.completions = JsonlSink(run_dir / "completions.jsonl")
         self.bar = ProgressBar(max_steps, step, enabled=enabled and progress, desc=desc)

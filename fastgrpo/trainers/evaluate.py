@@ -16,6 +16,8 @@ from math import comb
 from typing import Any, Callable, Hashable, Sequence
 
 from fastgrpo.algorithms.episodes import reward_columns
+from fastgrpo.environments import ENV_REWARDS_COLUMN
+from fastgrpo.environments.trajectory import TrajectoryCompletion
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 
 
@@ -44,9 +46,13 @@ def answer_key_of(reward_fn: Callable) -> Callable | None:
 def _correct(reward_fn: Callable, rows: list[dict[str, Any]], prompt_texts: list[str], groups: list,
              prompt_column: str = "prompt") -> list[list[bool]]:
     n = len(groups[0])
-    texts = [c.text for g in groups for c in g]
-    columns = reward_columns(rows, n, prompt_texts, [c.token_ids for g in groups for c in g], prompt_column)
-    scores = reward_fn(texts, **columns)
+    comps = [c for g in groups for c in g]
+    columns = reward_columns(rows, n, prompt_texts, [c.token_ids for c in comps], prompt_column)
+    completions: list[Any] = [c.text for c in comps]
+    if comps and all(isinstance(c, TrajectoryCompletion) for c in comps):  # multi-turn: as training scores them
+        completions = [c.messages for c in comps]
+        columns[ENV_REWARDS_COLUMN] = [c.env_rewards for c in comps]
+    scores = reward_fn(completions, **columns)
     ok = [s is not None and s >= 1.0 for s in scores]
     return [ok[i * n:(i + 1) * n] for i in range(len(groups))]
 

@@ -10,32 +10,29 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.distributed import groups as fdist
-from fastgrpo.trainers import preflight
-from fastgrpo.algorithms.advantages import self_imitation_mask
+from fastgrpo.algorithms.interface import ModelSetup, StepInputs
+from fastgrpo.algorithms.registry import ALGORITHMS
 from fastgrpo.config import TrainConfig
-from fastgrpo.algorithms.critic import load_critic
 from fastgrpo.data import build_datasets, render_prompt
 from fastgrpo.data.sampler import PromptSampler
+from fastgrpo.distributed import groups as fdist
+from fastgrpo.distributed.parallelize import autocast_dtype, parallelize_model, uses_fsdp
 from fastgrpo.environments import ENV_REWARDS_COLUMN, build_environment
 from fastgrpo.environments.trajectory import (ObservationRenderer, ToolsTemplate, TrajectoryEngine,
                                               collect_trajectories)
 from fastgrpo.algorithms.episodes import Episodes, collect_episodes, record_metrics
+from fastgrpo.trainers import preflight
 from fastgrpo.trainers.evaluate import evaluate
-from fastgrpo.update.guard import NonFiniteGuard
-from fastgrpo.trainers.loop import build_scheduler  # noqa: F401 (public here too)
-from fastgrpo.trainers.loop import TrainingLoop, closes_on_error
+from fastgrpo.trainers.loop import TrainingLoop, build_scheduler, closes_on_error  # noqa: F401 (public here too)
 from fastgrpo.runtime.metrics import StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
-from fastgrpo.models.lora import AdapterDisabled, trainable_parameters
+from fastgrpo.models.lora import AdapterDisabled
+from fastgrpo.update.bundle import TrainedModel
 from fastgrpo.update.microbatch import auto_microbatch_tokens
 from fastgrpo.models.loading import load_model, load_tokenizer, resolve_model_path
-from fastgrpo.update.optim import build_adamw
-from fastgrpo.distributed.parallelize import autocast_dtype, parallelize_model, uses_fsdp
-from fastgrpo.algorithms.ppo import PPOBatch, ppo_update, total_updates
 from fastgrpo.rewards import RewardRunner, check_reward_columns
 from fastgrpo.rollout import EngineSetup, RolloutEngine, SamplingParams, build_engine
 from fastgrpo.algorithms.sampling import dynamic_sample
-from fastgrpo.update.step import GRPOBatch, grpo_update
+
 
 class Trainer(TrainingLoop):
     """Composes the components from a TrainConfig and runs the loop. ``run()`` returns the last metrics.
@@ -62,8 +59,6 @@ class Trainer(TrainingLoop):
         check_reward_columns(self.rewards.funcs, columns, source=cfg.data.source)
         self.rewards.wait_ready()
         # multi-turn: the environment's tools are imported (in a worker first) before any model loads
-        if cfg.rollout.env.enabled and getattr(cfg, "algorithm", "grpo") != "grpo":
-            raise ValueError(f"rollout.env: multi-turn rollouts train with GRPO only, not algorithm={cfg.algorithm}")
         self.env = build_environment(cfg.rollout.env) if cfg.rollout.env.enabled else None
         self.sampler = PromptSampler(len(self.train_rows), seed=cfg.data.seed, rank=self.rank,
                                      world_size=self.world_size)
@@ -74,16 +69,13 @@ class Trainer(TrainingLoop):
 
         self.tokenizer = load_tokenizer(cfg.model, seed=cfg.seed)
         self.env_render = None if self.env is None else ObservationRenderer(self.tokenizer, self.env.tool_schemas)
-        self.critic = None
-        if cfg.algorithm == "ppo":  # before the policy: its resume restores the critic too
-            self._init_critic()
-        self._init_model(total_updates=total_updates(cfg.max_steps, cfg.ppo)[0] if self.critic is not None
-                         else cfg.max_steps * cfg.grpo.num_iterations)
+        self.algorithm = ALGORITHMS[cfg.algorithm]  # what to build and how to update (the trainer has no branch)
+        self._init_extras()  # before the policy: its resume restores them too
+        self._init_model(total_updates=self.algorithm.policy_updates(cfg))
         self.ref_model = None
-        needs_ref = cfg.grpo.beta > 0 or (cfg.algorithm == "ppo" and cfg.ppo.kl_coef > 0)
-        if needs_ref and cfg.model.lora.enabled:  # the base model: the same module, adapters off
+        if self.algorithm.needs_reference(cfg) and cfg.model.lora.enabled:  # the base: the same module, adapters off
             self.ref_model = AdapterDisabled(self.model)
-        elif needs_ref:  # the frozen reference, sharded the same way, forward only
+        elif self.algorithm.needs_reference(cfg):  # the frozen reference, sharded the same way, forward only
             ref = load_model(cfg.model, device=self.device, seed=cfg.seed).eval().requires_grad_(False)
             self.ref_model = parallelize_model(ref, cfg.parallel, device=self.device, world_size=self.world_size)
 
@@ -99,28 +91,18 @@ class Trainer(TrainingLoop):
         self.engine = engine
         self.engine.sync_from(self.model)  # the policy may differ from the files the engine loaded (resume)
 
-    def _init_critic(self) -> None:
-        """PPO's critic (:func:`fastgrpo.algorithms.critic.load_critic`), parallelized like the policy, with its own AdamW
-        (ppo.critic_lr; optim's betas, weight decay, warm-up and schedule) and non-finite guard."""
-        cfg, o = self.cfg, self.cfg.optim
-        critic = load_critic(cfg.model, init=cfg.ppo.critic_init, device=self.device, dtype=self.master_dtype(),
-                             seed=cfg.seed)
-        if cfg.model.lora.enabled and not uses_fsdp(cfg.parallel, self.device, self.world_size):
-            # the new value head trains in full: float32 like any master weight (a frozen bfloat16 base needs no
-            # masters, but lr ~ 1e-6 updates of a bfloat16 head would vanish); under FSDP2 the model is float32
-            # already, or all bfloat16 by model.dtype (FSDP2 shards one dtype per unit)
-            critic.get_output_embeddings().float()
-        self.critic = parallelize_model(critic, cfg.parallel, device=self.device, world_size=self.world_size)
-        self.critic_optimizer = build_adamw(trainable_parameters(self.critic), o, self.device, lr=cfg.ppo.critic_lr)
-        self.critic_scheduler = build_scheduler(self.critic_optimizer, warmup_steps=o.warmup_steps,
-                                                total_steps=total_updates(cfg.max_steps, cfg.ppo)[1],
-                                                schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
-        self.critic_guard = NonFiniteGuard(o.max_nonfinite_steps)
+    def _init_extras(self) -> None:
+        """The models the algorithm trains besides the policy (``Algorithm.extra_models``: PPO's critic), each with its
+        own optimizer, schedule and guard; reachable as ``self.<name>`` and ``self.<name>_optimizer``."""
+        setup = ModelSetup(cfg=self.cfg, device=self.device, world_size=self.world_size, dtype=self.master_dtype())
+        self.extras: dict[str, TrainedModel] = {}
+        for name, extra in self.algorithm.extra_models.items():
+            self.extras[name] = bundle = extra.build(setup)
+            setattr(self, name, bundle.model)
+            setattr(self, f"{name}_optimizer", bundle.optimizer)
 
     def checkpoint_extras(self) -> dict:
-        if self.critic is None:
-            return {}
-        return {"critic": (self.critic, self.critic_optimizer, self.critic_scheduler)}
+        return {name: bundle.checkpoint_entry() for name, bundle in getattr(self, "extras", {}).items()}
 
     # ------------------------------------------------------------------------------------------------ phases
 
@@ -206,8 +188,8 @@ class Trainer(TrainingLoop):
                                         sync=self._max_over_ranks if self.world_size > 1 else None)
         return collect_episodes(self.engine, rows, texts, ids, group_size=g.num_generations, sampling=sampling,
                                 rewards=self.rewards,
-                                scale_rewards=g.scale_rewards, all_reduce=self._sum_over_ranks,
-                                prompt_column=self.cfg.data.prompt_column)
+                                scale_rewards=g.scale_rewards if self.algorithm.group_advantages else None,
+                                all_reduce=self._sum_over_ranks, prompt_column=self.cfg.data.prompt_column)
 
     def _max_over_ranks(self, values: list[int]) -> list[int]:
         """Elementwise maximum of a few ints over ranks (multi-turn rollouts keep the ranks' generate calls in step)."""
@@ -218,33 +200,13 @@ class Trainer(TrainingLoop):
         return fdist.all_reduce_(t.to(self.device), "sum").to(t.device)
 
     def policy_update(self, ep: Episodes, metrics: StepMetrics) -> None:
-        """``grpo.num_iterations`` optimizer updates on this step's episodes (:func:`fastgrpo.update.step.grpo_update`);
-        with ``algorithm: ppo``, PPO's epochs of policy and critic updates (:func:`fastgrpo.algorithms.ppo.ppo_update`)."""
-        g = self.cfg.grpo
-        if self.critic is not None:
-            ppo_update(self.model, self.critic, PPOBatch(
-                prompt_ids=ep.prompt_ids, completion_ids=ep.completion_ids, rewards=ep.rewards,
-                sampler_logprobs=ep.sampler_logprobs), grpo=g, ppo=self.cfg.ppo, rollout=self.cfg.rollout,
-                optimizer=self.optimizer, scheduler=self.scheduler, critic_optimizer=self.critic_optimizer,
-                critic_scheduler=self.critic_scheduler, max_grad_norm=self.cfg.optim.max_grad_norm, metrics=metrics,
-                device=self.device, ref_model=self.ref_model, pad_token_id=self.tokenizer.pad_token_id or 0,
-                guard=self.guard, critic_guard=self.critic_guard,
-                train_policy=self.step >= self.cfg.ppo.critic_warmup_steps,
-                seed=(self.cfg.seed * 1_000_003 + self.step) % (2**31))
-            return
-        batch = GRPOBatch(
-            prompt_ids=ep.prompt_ids, completion_ids=ep.completion_ids, advantages=ep.adv.advantages,
-            sampler_logprobs=ep.sampler_logprobs,
-            sequence_mask=torch.tensor([f != "length" for f in ep.finish_reasons], dtype=torch.bool)
-            if g.mask_truncated_completions else None,
-            sil_mask=self_imitation_mask(ep.rewards, g.num_generations, g.sil_top_k, g.sil_min_reward)
-            if g.sil_top_k else None,
-            model_mask=None if ep.model_masks is None else  # multi-turn: environment tokens get weight 0
-            torch.tensor([m for ms in ep.model_masks for m in ms], dtype=torch.bool))
-        grpo_update(self.model, batch, grpo=self.cfg.grpo, rollout=self.cfg.rollout, optimizer=self.optimizer,
-                    scheduler=self.scheduler, max_grad_norm=self.cfg.optim.max_grad_norm, metrics=metrics,
-                    device=self.device, ref_model=self.ref_model, pad_token_id=self.tokenizer.pad_token_id or 0,
-                    guard=self.guard, max_tokens_per_microbatch=self.microbatch_tokens())
+        """This step's optimizer updates: the algorithm's ``update`` (GRPO's
+        :func:`fastgrpo.algorithms.grpo.grpo_update`, PPO's :func:`fastgrpo.algorithms.ppo.ppo_update`)."""
+        policy = TrainedModel(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, guard=self.guard)
+        self.algorithm.update(ep, StepInputs(
+            cfg=self.cfg, policy=policy, extras=self.extras, ref_model=self.ref_model, metrics=metrics,
+            device=self.device, step=self.step, pad_token_id=self.tokenizer.pad_token_id or 0,
+            max_tokens_per_microbatch=self.microbatch_tokens()))
 
     def microbatch_tokens(self) -> int | None:
         """The update's micro-batch token budget when ``grpo.max_tokens_per_microbatch`` is null on CUDA: sized once,
@@ -289,7 +251,10 @@ class Trainer(TrainingLoop):
             return None, ep
         with Timer() as t_upd:
             self.policy_update(ep, metrics)
-        self.guard.end_step(self.step + 1, metrics, ep.adv.advantages, ep.rewards)
+        self.guard.end_step(self.step + 1, metrics, None if ep.adv is None else ep.adv.advantages, ep.rewards)
+        for name, bundle in self.extras.items():
+            bundle.guard.end_step(self.step + 1, metrics, role=name,
+                                  cause=self.algorithm.extra_models[name].nonfinite_cause)
         self.sync_weights(metrics)
         self.step += 1
         return self._record(ep, metrics, t_roll.seconds, t_upd.seconds), ep
@@ -363,6 +328,6 @@ class Trainer(TrainingLoop):
         return [{
             "step": self.step, "prompt": ep.prompt_texts[s], "completion": ep.completion_texts[s],
             "rewards": {n: float(ep.rewards_per_func[s, j]) for j, n in enumerate(ep.reward_names)},
-            "reward": float(ep.rewards[s]), "advantage": float(ep.adv.advantages[s]),
-            "finish_reason": ep.finish_reasons[s],
+            "reward": float(ep.rewards[s]), "finish_reason": ep.finish_reasons[s],
+            **({} if ep.adv is None else {"advantage": float(ep.adv.advantages[s])}),
         } for s in range(0, stride * k, stride)]

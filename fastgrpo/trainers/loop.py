@@ -14,7 +14,6 @@ The run config (TrainConfig, SFTConfig) has ``name``, ``max_steps``, ``seed``, `
 from __future__ import annotations
 
 import functools
-import math
 import os
 import signal
 import threading
@@ -27,32 +26,43 @@ from fastgrpo.distributed import groups as fdist
 from fastgrpo.trainers import preflight
 from fastgrpo.config import to_dict
 from fastgrpo.runtime.errors import Preempted
-from fastgrpo.update.guard import NonFiniteGuard
 from fastgrpo.runtime.metrics import RunLog, drop_records_after
-from fastgrpo.models.lora import apply_lora, check_peft_available, trainable_parameters
+from fastgrpo.models.lora import apply_lora, check_peft_available
 from fastgrpo.runtime.memory import set_malloc_mmap_threshold
 from fastgrpo.models.loading import check_plain_head, load_model, resolve_model_path
-from fastgrpo.update.optim import build_adamw
-from fastgrpo.distributed.parallelize import autocast_dtype, parallelize_model, uses_fsdp
+from fastgrpo.update.bundle import build_trained
+from fastgrpo.update.optim import build_scheduler  # noqa: F401 (public here too)
+from fastgrpo.distributed.parallelize import autocast_dtype, uses_fsdp
 
 # Test hook: SIGKILL this process in the middle of the given step (GRPO: after its rollout, before its update; SFT:
 # before its update), so the kill-and-resume tests are deterministic.
 FAULT_ENV = "FASTGRPO_FAULT_KILL_AT_STEP"
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, schedule: str,
-                    min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up, then constant or cosine decay to min_lr_ratio * lr at total_steps."""
+HYPERPARAMETERS = ("initial_lr", "weight_decay", "betas", "eps")
+"""An optimizer param group's settings that come from the config (the learning rate follows from ``initial_lr``
+and the schedule). Restoring an optimizer's state restores them too, from the checkpoint."""
 
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+def configured_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: Any) -> tuple[list[dict], list[float]]:
+    """The settings a freshly built optimizer and scheduler have from the config: per param group, and the
+    scheduler's base learning rates."""
+    groups = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
+    return groups, list(scheduler.base_lrs)
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: Any,
+                          values: tuple[list[dict], list[float]]) -> None:
+    """After a resume with ``checkpoint.allow_config_change``: put the config's settings (``values``, from
+    :func:`configured_hyperparameters` before the restore) back over the checkpoint's, and set each group's
+    learning rate as the schedule gives it at the restored step, so the run trains with what config.json says."""
+    groups, base_lrs = values
+    for group, fresh in zip(optimizer.param_groups, groups):
+        group.update(fresh)
+    scheduler.base_lrs = list(base_lrs)
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def closes_on_error(init: Callable) -> Callable:
@@ -87,6 +97,7 @@ class TrainingLoop:
         # Cheap checks first: the launch and the run folder fail before any data or model loads.
         preflight.check_launch(cfg, self.world_size)
         preflight.check_run_dir(cfg)
+        preflight.check_run_folder_kind(cfg)  # an SFT run's folder is no GRPO run's, and the reverse
         preflight.check_inputs(cfg)
         self._lock_run_dir()
         self._config_changes = preflight.config_changes(cfg)
@@ -136,7 +147,9 @@ class TrainingLoop:
             check_peft_available()  # before the model loads
         # Sequences longer than the model's positions train on untrained embeddings (transformers only warns), or
         # fail minutes in: checked before the model loads when its config.json is local, else right after.
-        limit = preflight.context_length(resolve_model_path(cfg.model, seed=cfg.seed))
+        model_path = resolve_model_path(cfg.model, seed=cfg.seed)
+        preflight.check_model_files(model_path)
+        limit = preflight.context_length(model_path)
         if limit:
             self.check_context(limit)
         model = load_model(cfg.model, device=self.device, dtype=master_dtype, seed=cfg.seed)
@@ -145,16 +158,14 @@ class TrainingLoop:
         check_plain_head(model)  # logits must be hidden @ lm_head.weight.T, checked before any step
         if cfg.model.lora.enabled:  # adapters on the frozen base; only they train and reach the optimizer
             model = apply_lora(model, cfg.model.lora)
-        self.model = parallelize_model(model, cfg.parallel, device=self.device, world_size=self.world_size)
-        o = cfg.optim
-        # optim.implementation 'auto': fused on CUDA (one pass over the weights and moments per step), foreach on a
-        # CPU (a handful of multi-tensor ops; torch's CPU default is a loop of several ops per parameter)
-        self.optimizer = build_adamw(trainable_parameters(self.model), o, self.device)
+        # parallelized, with AdamW, the LR schedule over total_updates and the non-finite guard (the optimizer steps
+        # on finite gradients only): the same bundle as any other trained model (PPO's critic)
+        policy = build_trained(model, parallel=cfg.parallel, optim=cfg.optim, device=self.device,
+                               world_size=self.world_size, total_steps=total_updates)
+        self.model, self.optimizer, self.scheduler, self.guard = (policy.model, policy.optimizer, policy.scheduler,
+                                                                  policy.guard)
         self.total_updates = total_updates
-        self.scheduler = build_scheduler(self.optimizer, warmup_steps=o.warmup_steps, total_steps=total_updates,
-                                         schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
         self.step = 0
-        self.guard = NonFiniteGuard(o.max_nonfinite_steps)  # the optimizer steps on finite gradients only
         self._resume()
 
     # ------------------------------------------------------------------------------------------------ checkpoints
@@ -163,9 +174,14 @@ class TrainingLoop:
         path = ckpt.resolve_resume(self.cfg.checkpoint.resume, self.run_dir / "checkpoints")
         if path is None:
             return
+        pairs = [(self.optimizer, self.scheduler), *((o, s) for _, o, s in self.checkpoint_extras().values())]
+        configured = [configured_hyperparameters(o, s) for o, s in pairs]
         state = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer,
                                      extras=self.checkpoint_extras())
         self.scheduler.load_state_dict(state["scheduler"])
+        if self._config_changes:  # checkpoint.allow_config_change: the new optim values, not the saved ones
+            for (o, s), values in zip(pairs, configured):
+                apply_hyperparameters(o, s, values)
         sampler_state = dict(state["sampler"])
         if sampler_state["world_size"] != self.world_size:
             # Resharded resume: keep the epoch and the share of it already consumed (prompts seen globally), so
@@ -238,7 +254,8 @@ class TrainingLoop:
         if self.is_main and self._config_changes:  # checkpoint.allow_config_change: the old config is kept
             preflight.keep_config(self.run_dir, self.step)
         log = RunLog(self.run_dir, report_to=cfg.log.report_to, name=cfg.name, project=cfg.log.wandb_project,
-                     config=to_dict(cfg), step=self.step, max_steps=cfg.max_steps, enabled=self.is_main,
+                     config={"run_kind": type(cfg).run_kind, **to_dict(cfg)}, step=self.step,
+                     max_steps=cfg.max_steps, enabled=self.is_main,
                      progress=cfg.log.progress, desc=self.progress_name)
         record: dict[str, float] = {}
         self._sigterm = False

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from fastgrpo.distributed import checkpoint as ckpt
-from fastgrpo.config import TrainConfig, not_a_file, run_defining_changes
+from fastgrpo.config import TrainConfig, not_a_file, run_defining_changes, run_kind_of
+from fastgrpo.runtime.files import safetensors_problem, write_atomic
 
 LOGS = ("metrics.jsonl", "completions.jsonl")
 """The run folder's append-only logs."""
@@ -103,11 +104,8 @@ def config_changes(cfg: Any) -> list[tuple[str, Any, Any]]:
     saved_file = path.parent.parent / "config.json" if path is not None else None
     if saved_file is None or not saved_file.is_file():
         return []
-    try:
-        saved = json.loads(saved_file.read_text(encoding="utf-8"))
-    except ValueError:
-        raise ValueError(f"{str(saved_file)!r} is not valid JSON, so this resume cannot be compared with the run "
-                         "it continues; restore it, or delete it to resume without the comparison") from None
+    saved = _read_config(saved_file)
+    check_run_kind(cfg, saved, saved_file)
     changes = run_defining_changes(saved, cfg)
     if changes and not cfg.checkpoint.allow_config_change:
         diff = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes)
@@ -118,11 +116,46 @@ def config_changes(cfg: Any) -> list[tuple[str, Any, Any]]:
     return changes
 
 
+def _read_config(saved_file: Path) -> dict:
+    try:
+        saved = json.loads(saved_file.read_text(encoding="utf-8"))
+    except ValueError:
+        saved = None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{str(saved_file)!r} is not valid JSON (a run's config), so this resume cannot be compared "
+                         "with the run it continues; restore it, or delete it to resume without the comparison")
+    return saved
+
+
+def check_run_kind(cfg: Any, saved: dict, saved_file: Path) -> None:
+    """ValueError when ``saved`` (the config.json at ``saved_file``) is another kind of run than ``cfg`` (an SFT
+    run's folder given to a GRPO run, or the reverse): its checkpoint would be resumed as if it were this run's,
+    and only the remaining steps trained. No setting allows it."""
+    kind, theirs = type(cfg).run_kind, run_kind_of(saved)
+    if kind and theirs and kind != theirs:
+        raise ValueError(f"{str(saved_file.parent)!r} holds a {theirs} run (its config.json), and this is a {kind} "
+                         f"run: it would resume the other's checkpoint as its own. Use another name or output_dir")
+
+
+def check_run_folder_kind(cfg: Any) -> None:
+    """The run folder's own config.json, when it has one, is of this kind of run (see :func:`check_run_kind`)."""
+    saved_file = cfg.run_dir / "config.json"
+    if cfg.checkpoint.resume == "never" and cfg.checkpoint.overwrite:  # the run in it is deleted: any kind
+        return
+    if saved_file.is_file():
+        try:
+            saved = json.loads(saved_file.read_text(encoding="utf-8"))
+        except ValueError:  # config_changes names an unreadable one where it matters (a resume)
+            return
+        if isinstance(saved, dict):
+            check_run_kind(cfg, saved, saved_file)
+
+
 def keep_config(run: Path, step: int) -> None:
-    """Keep the config a run had until ``step`` (config.json, before the run rewrites it)."""
+    """Keep the config a run had until ``step`` (config.json, before the run rewrites it), written atomically."""
     old = run / "config.json"
     if old.is_file():
-        shutil.copyfile(old, run / f"config.until_step_{step:06d}.json")
+        write_atomic(run / f"config.until_step_{step:06d}.json", old.read_bytes())
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -137,6 +170,19 @@ def context_length(model_path: str) -> int | None:
     cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
     n = cfg.get("text_config", cfg).get("max_position_embeddings")
     return int(n) if n else None
+
+
+def check_model_files(model_path: str) -> None:
+    """A local model folder's safetensors files are whole (each as long as its header says): a copy or download cut
+    short is a one-line error naming the file, not a SafetensorError from deep inside the loader."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        return
+    for weights in sorted(folder.glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem is not None:
+            raise ValueError(f"model.name_or_path: {problem} in {str(folder)!r}: the copy is incomplete; copy or "
+                             "download it again")
 
 
 def check_fits(split: str, index: int, prompt: Any, prompt_tokens: int, completion_tokens: int, completion: str,

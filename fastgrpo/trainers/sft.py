@@ -33,13 +33,24 @@ from fastgrpo.runtime.metrics import StepMetrics, Timer
 from fastgrpo.models.loading import load_tokenizer
 from fastgrpo.rewards import REWARDS
 from fastgrpo.rollout.hf import HFEngine
-from fastgrpo.update.step import packed_logprobs, plan_packed, sft_update, sft_weights
+from fastgrpo.algorithms.sft import sft_update, sft_weights
+from fastgrpo.update.step import packed_logprobs, plan_packed
 from fastgrpo.trainers.warm import build_warm  # noqa: F401  (importing it registers the warm models, e.g. tiny:countdown)
 
 __all__ = ["SFTConfig", "SFTOptions", "SFTTrainer"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def check_nonempty(split: str, ids: list[tuple[list[int], list[int]]], source: str) -> None:
+    """ValueError naming the first pair of ``split`` whose prompt or completion has no token: the first completion
+    token is predicted from the prompt's last one, and a completion of none has nothing to learn."""
+    for i, (prompt, completion) in enumerate(ids):
+        for part, tokens in (("prompt", prompt), ("completion", completion)):
+            if not tokens:
+                raise ValueError(f"data.source {source!r}: {split} row {i} has an empty {part} (0 tokens once "
+                                 f"rendered); every pair needs at least one {part} token: fix or drop that row")
 
 
 class SFTTrainer(TrainingLoop):
@@ -58,6 +69,8 @@ class SFTTrainer(TrainingLoop):
                 solution=cfg.sft.solution)
         self.train_ids = [self._encode(p) for p in train]  # [(prompt ids, completion ids)]
         self.eval_pairs = held_out[:cfg.eval.num_prompts]
+        check_nonempty("training", self.train_ids, cfg.data.source)
+        check_nonempty("held-out", [self._encode(p) for p in self.eval_pairs], cfg.data.source)
         self.sampler = PromptSampler(len(self.train_ids), seed=cfg.data.seed, rank=self.rank,
                                      world_size=self.world_size)
         if self.is_main:
@@ -83,7 +96,7 @@ class SFTTrainer(TrainingLoop):
                                          "completion tokens", limit)
 
     def train_step(self) -> tuple[dict[str, float], None]:
-        """One optimizer update on ``sft.batch_size`` pairs per rank (:func:`fastgrpo.update.step.sft_update`)."""
+        """One optimizer update on ``sft.batch_size`` pairs per rank (:func:`fastgrpo.algorithms.sft.sft_update`)."""
         metrics = StepMetrics()
         batch = [self.train_ids[i] for i in self.sampler.next_batch(self.cfg.sft.batch_size)]
         self._fault_point()
@@ -122,9 +135,12 @@ class SFTTrainer(TrainingLoop):
         if self.reward_fn is not None:
             engine = HFEngine(self.model, self.tokenizer)
             e = self.cfg.eval
+            max_tokens = max(len(c) for _, c in ids) + 16
+            if engine.max_positions:  # the pairs fit (check_context); the 16 tokens of slack must too
+                max_tokens = min(max_tokens, engine.max_positions - max(len(p) for p, _ in ids))
             out |= evaluate(engine, pairs, [p["prompt"] for p in pairs], [p for p, _ in ids],
                             reward_fn=self.reward_fn, best_of_n=e.best_of_n, temperature=e.temperature,
-                            max_tokens=max(len(c) for _, c in ids) + 16, seed=self.cfg.seed + self.step)
+                            max_tokens=max_tokens, seed=self.cfg.seed + self.step)
         names = sorted(out)
         vals = fdist.all_reduce_(torch.tensor([out[k] for k in names], device=self.device), "avg")
         return {f"eval/{k}": float(v) for k, v in zip(names, vals.tolist())}

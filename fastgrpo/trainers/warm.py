@@ -41,7 +41,8 @@ from pathlib import Path
 from fastgrpo.config import SFTConfig, load_config, to_dict
 from fastgrpo.models.loading import register_model_source
 from fastgrpo.runtime.procs import die_with_parent
-from fastgrpo.models.tiny import _RECIPE_VERSION, tiny_cache_root
+from fastgrpo.models.tiny import _RECIPE_VERSION, FOLDER_FILES, tiny_cache_root
+from fastgrpo.runtime.files import folder_problem, publish_folder
 
 __all__ = ["WARM_RECIPES", "build_warm", "recipe_config", "warm_base", "warm_folder"]
 
@@ -82,7 +83,8 @@ WARM_RECIPES: dict[str, list[str]] = {
 """Warm model name (``tiny:<name>``) -> ``fastgrpo.sft`` overrides of its recipe."""
 
 
-_LATER_KEYS = (("optim", "implementation", "auto"),)
+_LATER_KEYS = (("optim", "implementation", "auto"), ("model", "gguf_file", None), ("data", "digits", [2, 2]),
+               ("data", "ops", ["+"]))
 """(section, key, value): config keys added after warm models were first cached, whose value here reproduces what
 the builds did before the key existed; left out of the cache key while they hold that value."""
 
@@ -142,7 +144,7 @@ def build_warm(name: str, *, cache_dir: str | Path | None = None, overrides: lis
     for tests that need a fast, small stand-in (e.g. ``max_steps=2``) in a private ``cache_dir``.
     """
     final = warm_folder(name, cache_dir)
-    if (final / "config.json").is_file():
+    if folder_problem(final, FOLDER_FILES) is None:
         return final
     base = warm_base(name)
     # the base first (its own lock), in the same cache; the child loads it from its folder
@@ -150,9 +152,13 @@ def build_warm(name: str, *, cache_dir: str | Path | None = None, overrides: lis
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        if (final / "config.json").is_file():  # built by whoever held the lock before us
+        problem = folder_problem(final, FOLDER_FILES)
+        if problem is None:  # built by whoever held the lock before us
             return final
         steps = recipe_config(name).max_steps
+        if final.exists():  # incomplete (a file deleted, a copy cut short): rebuilt, replacing it
+            print(f"[fastgrpo] the cached warm model is incomplete ({problem}): rebuilding it", file=sys.stderr,
+                  flush=True)
         print(f"[fastgrpo] building the warm model tiny:{name} (first use only: {steps} SFT steps, 2 to 10 minutes on "
               f"2 CPU cores) -> {final}", file=sys.stderr, flush=True)
         for stale in final.parent.glob(f".{final.name}.*"):  # a build killed before its cleanup (we hold the lock)
@@ -173,7 +179,7 @@ def build_warm(name: str, *, cache_dir: str | Path | None = None, overrides: lis
                 raise RuntimeError(f"building the warm model tiny:{name} failed (exit {done.returncode}); "
                                    f"command: {' '.join(cmd)}")
             os.chmod(work / "build" / "final", 0o755)
-            os.rename(work / "build" / "final", final)
+            publish_folder(work / "build" / "final", final, FOLDER_FILES)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return final

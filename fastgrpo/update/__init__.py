@@ -1,2 +1,3 @@
-"""The optimizer update on packed micro-batches: the update step, the optimizer, the non-finite guard and the
-micro-batch token budget."""
+"""The optimizer update on packed micro-batches, whatever the loss: the step plan and update (step), the trained-model
+bundle (model + optimizer + schedule + guard), the optimizer and its schedule, the non-finite guard and the micro-batch
+token budget."""

@@ -42,21 +42,24 @@ class NonFiniteGuard:
         self.last_norm = norm
         return False
 
-    def end_step(self, step: int, metrics: Any, advantages: torch.Tensor, rewards: torch.Tensor) -> None:
-        """Log ``policy/skipped_updates`` of the step that just ended; raise NonFiniteError past the limit.
+    def end_step(self, step: int, metrics: Any, advantages: torch.Tensor | None = None,
+                 rewards: torch.Tensor | None = None, *, role: str = "policy", cause: str | None = None) -> None:
+        """Log ``<role>/skipped_updates`` of the step that just ended; raise NonFiniteError past the limit.
 
-        ``advantages`` and ``rewards`` ([S], this rank's) only serve to name the likely cause.
+        The error names the likely ``cause``; without one it is read from ``advantages`` and ``rewards`` ([S], this
+        rank's) when given. Every trained model (the policy, PPO's critic) ends its step through here.
         """
-        metrics.host("policy/skipped_updates", self.skipped)
+        metrics.host(f"{role}/skipped_updates", self.skipped)
         self.skipped = 0
         if self.in_a_row < self.max_in_a_row:
             return
-        if not bool(torch.isfinite(advantages).all()):
+        if cause is None and advantages is not None and not bool(torch.isfinite(advantages).all()):
             cause = (f"the advantages are not finite: rewards as large as {rewards.abs().max().item():.3g} overflow "
                      "float32 in the group statistics; scale the reward function down")
-        else:
+        elif cause is None:
             cause = ("the loss or its gradient overflowed with finite advantages: lower optim.lr, keep "
                      "optim.max_grad_norm > 0, or compute in float32 (model.dtype, parallel.param_dtype)")
-        raise NonFiniteError(f"step {step}: {self.in_a_row} optimizer updates in a row had a non-finite gradient "
+        what = "optimizer" if role == "policy" else role
+        raise NonFiniteError(f"step {step}: {self.in_a_row} {what} updates in a row had a non-finite gradient "
                              f"(norm {self.last_norm}) and were skipped (optim.max_nonfinite_steps="
                              f"{self.max_in_a_row}); likely cause: {cause}")

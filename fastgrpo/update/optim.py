@@ -10,13 +10,14 @@ stopped the LoRA toy task from learning (tests/test_lora.py).
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
 
 from fastgrpo.config import OptimConfig
 
-__all__ = ["adamw_implementation", "build_adamw"]
+__all__ = ["adamw_implementation", "build_adamw", "build_scheduler"]
 
 
 def adamw_implementation(choice: str, device: torch.device | str) -> str:
@@ -34,3 +35,18 @@ def build_adamw(params: Iterable[torch.nn.Parameter], o: OptimConfig, device: to
     impl = adamw_implementation(o.implementation, device)
     return torch.optim.AdamW(params, lr=o.lr if lr is None else lr, betas=tuple(o.betas),
                              weight_decay=o.weight_decay, foreach=impl == "foreach", fused=impl == "fused")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, schedule: str,
+                    min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then constant or cosine decay to min_lr_ratio * lr at total_steps."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,4 +1,6 @@
-"""The optimizer update on packed micro-batches: a loss-agnostic core and the GRPO update built on it.
+"""The optimizer update on packed micro-batches, whatever the loss: the step plan, the no-grad log-prob pass and one
+optimizer update. The algorithms build their losses on it (GRPO and PPO in fastgrpo.algorithms, SFT in
+fastgrpo.algorithms.sft).
 
 Legend: S sequences on this rank, N completion (target) tokens on this rank (flat layout: sequence i's tokens are
 contiguous), n target tokens of one micro-batch, H hidden size, V vocabulary size.
@@ -7,11 +9,7 @@ contiguous), n target tokens of one micro-batch, H hidden size, V vocabulary siz
                        the step's totals over ranks, in one collective and one host read
     packed_logprobs    no-grad log-probs [N] of the target tokens (old / reference passes)
     optimizer_update   zero grads -> per micro-batch: model.packed_forward(mb, head_loss) -> backward -> clip ->
-                       optimizer step; any token loss whose gradient sums over micro-batches (GRPO, SFT, ...)
-    grpo_update        token weights, advantages, old / ref log-probs, importance weights, then num_iterations
-                       optimizer_update calls with the fused GRPO loss
-    sft_weights        SFT token weights [N] over the global batch (sft.normalization)
-    sft_update         one optimizer_update with the SFT loss sum_t w_t * -log p(y_t) (fastgrpo.sft)
+                       optimizer step; any token loss whose gradient sums over micro-batches (GRPO, PPO, SFT, ...)
 
 The trainer, the golden test and the FSDP test all call these functions, so "1 process equals 2 ranks" and the
 golden figures are checked on the code that trains.
@@ -31,22 +29,13 @@ from typing import Callable
 import torch
 
 from fastgrpo.distributed import groups as fdist
-from fastgrpo.config import GRPOConfig, RolloutConfig
-from fastgrpo.update.guard import NonFiniteGuard
-from fastgrpo.kernels import linear_grpo_loss, linear_logprobs, resolve_backend
-from fastgrpo.algorithms.losses import (
-    POLICY_LOSS_OF,
-    SFT_NORMALIZATIONS,
-    GlobalCounts,
-    token_weights,
-    truncated_importance_weights,
-)
-from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.kernels import linear_logprobs
 from fastgrpo.models.packing import MicroBatch, pack, plan_microbatches, split_to_count
+from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.update.guard import NonFiniteGuard
 
-__all__ = ["DEFAULT_MICROBATCH_TOKENS", "GRPOBatch", "HeadLoss", "StepPlan", "entropy_mask", "grpo_update",
-           "microbatch_tokens", "optimizer_update", "packed_logprobs", "plan_packed", "plan_step", "sequence_numbers",
-           "sft_update", "sft_weights"]
+__all__ = ["DEFAULT_MICROBATCH_TOKENS", "HeadLoss", "StepPlan", "gather_ints", "microbatch_tokens",
+           "optimizer_update", "packed_logprobs", "plan_packed", "plan_step"]
 
 HeadLoss = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``head_loss(mb, hidden [n, H], lm_head_weight [V, H]) -> (loss, stats)``: loss a scalar whose gradients add up
@@ -68,7 +57,7 @@ def microbatch_tokens(budget: int | None, device: torch.device | str) -> int:
     return DEFAULT_MICROBATCH_TOKENS.get(torch.device(device).type, DEFAULT_MICROBATCH_TOKENS["cuda"])
 
 
-def _gather_ints(values: list[int], *, device: torch.device | str) -> list[list[int]]:
+def gather_ints(values: list[int], *, device: torch.device | str) -> list[list[int]]:
     """Every rank's ``values`` as host ints ``[world size][len(values)]``, in one collective and one host read: each
     rank fills its own row of zeros and an all-reduce sum fills in the others (an all-gather through the one
     reduction every backend has). Sums and maxima over ranks are then taken on the host, so a step needs one such
@@ -98,7 +87,7 @@ def plan_step(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_
     seq_lens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
     bins = plan_microbatches(seq_lens, max_tokens)
     counted = sum(len(c) for c in completion_ids) if counted_tokens is None else counted_tokens
-    ranks = _gather_ints([len(seq_lens), counted, len(bins)], device=device)  # [world size][3]
+    ranks = gather_ints([len(seq_lens), counted, len(bins)], device=device)  # [world size][3]
     # FSDP: every rank must run the same number of forward/backward calls (collectives per block)
     bins = split_to_count(bins, seq_lens, max(r[2] for r in ranks))
     return StepPlan(mbs=pack(prompt_ids, completion_ids, bins, device=device, pad_token_id=pad_token_id),
@@ -163,200 +152,3 @@ def optimizer_update(model: torch.nn.Module, mbs: list[MicroBatch], head_loss: H
             warnings.simplefilter("ignore", UserWarning)
             scheduler.step()
     return stepped
-
-
-@dataclass(kw_only=True)
-class GRPOBatch:
-    """One rollout batch on this rank, as the update needs it."""
-
-    prompt_ids: list[list[int]]
-    """[S] prompt token ids."""
-    completion_ids: list[list[int]]
-    """[S] completion token ids."""
-    advantages: torch.Tensor
-    """[S] one advantage per sequence."""
-    sampler_logprobs: torch.Tensor | None = None
-    """[N] the sampler's log-probs (truncated importance sampling), or None."""
-    sequence_mask: torch.Tensor | None = None
-    """[S] bool: sequences that get loss (False: truncated ones under mask_truncated_completions); None = all."""
-    sil_mask: torch.Tensor | None = None
-    """[S] bool: completions to imitate (self-imitation adds grpo.sil_coef to their advantages); None = none."""
-    model_mask: torch.Tensor | None = None
-    """[N] bool, multi-turn: True at tokens the model sampled, False at environment tokens, which are attended but
-    get token weight 0 and are left out of the loss normaliser; None = all tokens are the model's."""
-
-
-_LOGGED_STATS = ("clip_low_frac", "clip_high_frac", "kl_mean")
-_OPTIONAL_STATS = ("cispo_clip_frac",)  # logged when the loss type's term reports it
-
-
-def sequence_numbers(mb: MicroBatch, lengths: torch.Tensor) -> torch.Tensor:
-    """[n] the sequence of each target row of ``mb``, numbered 0..K-1 in row order (host tensor)."""
-    if not mb.seq_indices:
-        return torch.zeros(0, dtype=torch.long)
-    return torch.repeat_interleave(torch.arange(len(mb.seq_indices)), lengths[mb.seq_indices],
-                                   output_size=mb.num_completion_tokens)
-
-
-def entropy_mask(entropy: torch.Tensor, counted: torch.Tensor, quantile: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """TRL's top-entropy mask: (keep [N] bool, threshold) where keep marks counted tokens whose entropy is at least
-    the (1 - quantile) quantile of the counted tokens' entropies (this rank's batch)."""
-    values = entropy[counted]
-    if values.numel() == 0:
-        return counted.clone(), entropy.new_zeros(())
-    threshold = torch.quantile(values.float(), 1.0 - quantile)
-    return counted & (entropy >= threshold), threshold
-
-
-def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, rollout: RolloutConfig,
-                optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                max_grad_norm: float, metrics: StepMetrics, device: torch.device | str,
-                ref_model: torch.nn.Module | None = None, pad_token_id: int = 0,
-                guard: NonFiniteGuard | None = None,
-                max_tokens_per_microbatch: int | None = None) -> list[MicroBatch]:
-    """``grpo.num_iterations`` optimizer updates on one rollout batch; returns the micro-batches it ran.
-
-    ``max_tokens_per_microbatch``, when given, replaces ``grpo.max_tokens_per_microbatch`` (the trainer passes the
-    budget it sized from free GPU memory, :meth:`fastgrpo.trainers.grpo.Trainer.microbatch_tokens`).
-
-    Token weights (``grpo.loss_type``) are normalised over the global batch (all ranks), so the summed gradient
-    does not depend on the micro-batch budget or the world size. Old log-probs are computed once, before the first
-    update, when mu > 1 or for the importance-sampling correction; reference log-probs when ``ref_model`` is given.
-    As in TRL, the entropy mask and the truncated importance weights scale the policy term only: the KL term keeps
-    the plain normaliser (``kl_token_weights``), and so do GSPO's sequence means, which count every token.
-    """
-    lens = [len(c) for c in batch.completion_ids]  # [S] host ints
-    lengths = torch.tensor(lens, dtype=torch.long)  # [S]
-    n_tok = sum(lens)  # N on this rank
-    model_mask = None if batch.model_mask is None else batch.model_mask.cpu().bool()  # [N]
-    # multi-turn: the loss types normalise by the model's tokens of each sequence (environment tokens get weight 0)
-    model_lens = lens if model_mask is None else [int(m.sum()) for m in model_mask.split(lens)]  # [S]
-    keep = None if batch.sequence_mask is None else batch.sequence_mask.cpu()  # [S] bool
-    # masked sequences leave the token normaliser (dapo), as in TRL
-    counted = sum(model_lens) if keep is None else sum(n for n, k in zip(model_lens, keep.tolist()) if k)
-    plan = plan_step(batch.prompt_ids, batch.completion_ids,
-                     max_tokens_per_microbatch or microbatch_tokens(grpo.max_tokens_per_microbatch, device),
-                     device=device,
-                     pad_token_id=pad_token_id, counted_tokens=counted)
-    mbs = plan.mbs
-    counts = GlobalCounts(num_sequences=plan.num_sequences, num_tokens=plan.num_tokens,
-                          max_completion_length=rollout.max_completion_length)
-    weights = token_weights(grpo.loss_type, torch.tensor(model_lens, dtype=torch.long), counts,
-                            num_tokens=sum(model_lens))  # [N] (model tokens only while model_mask is set)
-    if model_mask is not None:  # environment tokens: weight 0 (no loss, no KL, no gradient)
-        weights = torch.zeros(n_tok, dtype=weights.dtype).masked_scatter(model_mask, weights)  # [N]
-    if keep is not None:
-        weights = weights * torch.repeat_interleave(keep.float(), lengths, output_size=n_tok)  # [N]
-    weights = weights.to(device)
-    adv_seq = batch.advantages.float()  # [S], on the CPU or already on the device (the caller's choice)
-    if batch.sil_mask is not None:  # self-imitation: at ratio 1 the gradient of -(A + c) r is that of -(A + c) logp
-        adv_seq = adv_seq + grpo.sil_coef * batch.sil_mask.to(adv_seq.device).float()
-    # lengths follow the advantages (a host-to-device copy, no sync), so either placement works
-    adv = torch.repeat_interleave(adv_seq, lengths.to(adv_seq.device), output_size=n_tok).to(device)  # [N]
-    # One kernel path for the loss and the old / reference log-probs: exp(logp - old) is exactly 1 while the policy
-    # has not moved. Sequence level (GSPO) needs a recompute path: 'auto' then picks triton on CUDA.
-    sequence_level = grpo.importance_sampling_level == "sequence"
-    backend = resolve_backend(grpo.head_backend, device, needs_grad=True, sequence_level=sequence_level)
-    policy_loss = POLICY_LOSS_OF[grpo.loss_type]
-    eps_low, eps_high = ((grpo.sequence_epsilon_low, grpo.sequence_epsilon_high) if sequence_level
-                         else (grpo.epsilon_low, grpo.epsilon_high))
-    if policy_loss == "cispo":  # epsilon_high is cispo's truncation bound at either level (TRL's one eps_max)
-        eps_high = grpo.epsilon_high
-    seq_numbers = {id(mb): sequence_numbers(mb, lengths).to(device) for mb in mbs} if sequence_level else {}
-    logprobs = partial(packed_logprobs, mbs=mbs, num_tokens=n_tok, temperature=rollout.temperature, backend=backend)
-
-    model.train()
-    ref_lp = logprobs(ref_model) if ref_model is not None else None  # [N]
-    plain_weights = weights  # [N] the normaliser alone: the KL term's weights
-    old_lp = None
-    if grpo.top_entropy_quantile < 1.0:  # entropies before the update decide which tokens get loss
-        current_lp, entropy = logprobs(model, with_entropy=True)  # [N], [N]
-        kept, threshold = entropy_mask(entropy, weights != 0, grpo.top_entropy_quantile)
-        metrics.set("policy/entropy_threshold", threshold)
-        metrics.set("policy/entropy_kept_frac", kept.sum() / (weights != 0).sum().clamp(min=1))
-        weights = weights * kept
-        if grpo.num_iterations > 1 or batch.sampler_logprobs is not None:
-            old_lp = current_lp
-    elif grpo.num_iterations > 1 or batch.sampler_logprobs is not None:
-        old_lp = logprobs(model)  # [N]
-    if batch.sampler_logprobs is not None:  # truncated importance sampling: sampler != trainer numerics
-        is_w = truncated_importance_weights(old_lp, batch.sampler_logprobs.to(device),
-                                            rollout.importance_sampling_cap)
-        metrics.add("is/weight_mean", is_w.mean())
-        weights = weights * is_w
-        if grpo.num_iterations == 1:
-            old_lp = None  # mu = 1: old = logp.detach(), exactly as without the correction
-
-    # The KL term (and GSPO's sequence means) need their own weights only where the policy's differ; with beta 0 at
-    # token level they would only add softmax work for masked rows.
-    kl_weights = (plain_weights if weights is not plain_weights and (grpo.beta != 0.0 or sequence_level)
-                  else None)  # [N] or None
-
-    def head_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor):  # hidden [n, H], weight [V, H]
-        i = mb.flat_index
-        w = weights[i]  # [n]
-        loss, stats = linear_grpo_loss(
-            hidden, weight, mb.targets, adv[i], w,
-            old_logprobs=None if old_lp is None else old_lp[i], ref_logprobs=None if ref_lp is None else ref_lp[i],
-            epsilon_low=eps_low, epsilon_high=eps_high, delta=grpo.delta, beta=grpo.beta,
-            temperature=rollout.temperature, backend=backend, return_entropy=True,
-            sequence_index=seq_numbers.get(id(mb)), policy_loss=policy_loss,
-            sapo_temperature_pos=grpo.sapo_temperature_pos, sapo_temperature_neg=grpo.sapo_temperature_neg,
-            use_bias_correction_kl=grpo.use_bias_correction_kl,
-            kl_token_weights=None if kl_weights is None else kl_weights[i])
-        counted = w != 0
-        entropy = (stats["entropy"] * counted).sum() / counted.sum().clamp(min=1)  # over tokens that get loss
-        logged = {f"policy/{k}": stats[k] for k in _LOGGED_STATS + _OPTIONAL_STATS if k in stats}
-        return loss, {**logged, "policy/entropy": entropy}
-
-    for _ in range(grpo.num_iterations):
-        optimizer_update(model, mbs, head_loss, optimizer=optimizer, scheduler=scheduler,
-                         max_grad_norm=max_grad_norm, metrics=metrics, loss_divisor=grpo.num_iterations, guard=guard)
-    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_tokens for mb in mbs))))
-    if keep is not None:
-        metrics.moments((~keep).float(), "policy/masked_seq_frac")
-    if batch.sil_mask is not None:
-        metrics.moments(batch.sil_mask.float(), "policy/sil_frac")
-    return mbs
-
-
-def sft_weights(completion_ids: list[list[int]], normalization: str, *, device: torch.device | str) -> torch.Tensor:
-    """Per-token weights [N] of the SFT loss for this rank's completions, normalised over the global batch."""
-    ranks = _gather_ints([len(completion_ids), sum(len(c) for c in completion_ids)], device=device)  # [world size][2]
-    return _sft_token_weights(completion_ids, normalization, num_sequences=sum(r[0] for r in ranks),
-                              num_tokens=sum(r[1] for r in ranks), device=device)
-
-
-def _sft_token_weights(completion_ids: list[list[int]], normalization: str, *, num_sequences: int, num_tokens: int,
-                       device: torch.device | str) -> torch.Tensor:
-    lens = [len(c) for c in completion_ids]  # [S]
-    counts = GlobalCounts(num_sequences=num_sequences, num_tokens=num_tokens, max_completion_length=max(lens))
-    return token_weights(normalization, torch.tensor(lens, dtype=torch.long), counts, SFT_NORMALIZATIONS,
-                         num_tokens=sum(lens)).to(device)  # [N]
-
-
-def sft_update(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
-               normalization: str, max_tokens_per_microbatch: int, head_backend: str,
-               optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-               max_grad_norm: float, metrics: StepMetrics, device: torch.device | str,
-               pad_token_id: int = 0, guard: NonFiniteGuard | None = None) -> list[MicroBatch]:
-    """One optimizer update of supervised fine-tuning on this rank's (prompt, completion) pairs; returns the
-    micro-batches it ran. The loss is ``sum_t w_t * -log p(y_t)`` over completion tokens only, the weights from
-    :func:`sft_weights`; the log-probs come from the fused head (``-linear_logprobs``: no [N, V] tensor)."""
-    plan = plan_step(prompt_ids, completion_ids, max_tokens_per_microbatch, device=device, pad_token_id=pad_token_id)
-    mbs = plan.mbs
-    weights = _sft_token_weights(completion_ids, normalization, num_sequences=plan.num_sequences,
-                                 num_tokens=plan.num_tokens, device=device)  # [N], as sft_weights
-    # The gradient goes through linear_logprobs, which the gradient-in-forward cublas path does not differentiate
-    # (it forms the GRPO loss's gradient in forward): resolve as for log-probs, a recompute path on CUDA.
-    backend = resolve_backend(head_backend, device, needs_grad=False)
-
-    def head_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor):  # hidden [n, H], weight [V, H]
-        nll = -linear_logprobs(hidden, weight, mb.targets, backend=backend)  # [n]
-        return (weights[mb.flat_index] * nll).sum(), {"sft/nll": nll.detach().mean()}
-
-    model.train()
-    optimizer_update(model, mbs, head_loss, optimizer=optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm,
-                     metrics=metrics, guard=guard)
-    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_tokens for mb in mbs))))
-    return mbs

@@ -195,12 +195,13 @@ def test_cublas_logprobs_forward_matches_the_loss_path_and_has_no_backward():
 def test_trainer_update_on_the_cublas_path_equals_the_torch_path(tmp_path, monkeypatch):
     # The trainer wiring: grpo.head_backend reaches the loss and the reference log-probs (beta > 0). At step 1 the
     # policy equals the reference, and one numerics for both passes makes the KL exactly 0.
-    from fastgrpo.update import step as update_mod
+    from fastgrpo.algorithms import tokens
+    from fastgrpo.update import step
     from fastgrpo.config import load_config
     from fastgrpo.trainers.grpo import Trainer
 
     seen = []
-    for fn in ("linear_grpo_loss", "linear_logprobs"):
+    for update_mod, fn in ((tokens, "linear_grpo_loss"), (step, "linear_logprobs")):
         real = getattr(update_mod, fn)
         monkeypatch.setattr(update_mod, fn, lambda *a, _real=real, _fn=fn, **k: (seen.append((_fn, k["backend"])),
                                                                                  _real(*a, **k))[1])

@@ -1,6 +1,6 @@
 """fastgrpo.kernels.FusedLinearGRPOLoss against Liger-Kernel 0.8's definitions, and its shape errors.
 
-Liger is not installed in the test environment, so ``liger_grpo_reference`` below writes its definitions out in
+``liger_grpo_reference`` below writes Liger's definitions out in
 plain torch (full logits, float64): its per-token terms, its normalisers and its two metrics, as
 ``LigerFusedLinearGRPOLoss`` documents them. The grid crosses loss types, importance levels, beta, bias
 correction, temperature, an lm_head bias, delta and the vLLM ratio, with old log-probs far enough from the
@@ -189,7 +189,9 @@ def test_wrong_shapes_name_the_argument_and_layout(bad, message):
 
 
 @pytest.mark.parametrize("opts, name", [
-    (dict(loss_type="vespo"), "loss_type"), (dict(loss_type="luspo"), "loss_type"),
+    (dict(loss_type="vespo"), "loss_type"),
+    (dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.1, use_bias_correction_kl=True),
+     "use_bias_correction_kl"),
     (dict(loss_type="dr_grpo"), "max_completion_length"),
     (dict(importance_sampling_level="seq"), "importance_sampling_level"),
     (dict(loss_type="cispo", importance_sampling_level="sequence"), "importance_sampling_level"),
@@ -254,3 +256,96 @@ def test_sequence_level_with_empty_sequences_and_more_sequences_than_tokens():
                                                           old_per_token_logps=old.float())
     want, _ = liger_grpo_reference(x, w, ids, mask, adv, old=old, beta=0.0, loss_type="grpo", level="sequence")
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+# -- against Liger-Kernel 0.8.5 itself (requirements/cpu.txt installs it; its chunked loss runs eagerly on a CPU) ------
+
+
+def _liger_pair(opts, d, **call):
+    """(loss, metrics, grads of _input / weight / bias) of Liger's module and of ours on the same batch ``d``."""
+    chunked = pytest.importorskip("liger_kernel.chunked_loss")
+    out = []
+    for module in (chunked.LigerFusedLinearGRPOLoss(**opts, compiled=False, chunk_size=2),
+                   FusedLinearGRPOLoss(**opts, backend="torch")):
+        x, w = d["x"].float().requires_grad_(), d["w"].float().requires_grad_()
+        b = d["b"].float().requires_grad_() if d.get("b") is not None else None
+        loss, metrics = module(x, w, d["ids"], d["mask"].float(), d["adv"].float(), bias=b, **call)
+        out.append((loss, metrics, torch.autograd.grad(loss, [t for t in (x, w, b) if t is not None])))
+    return out
+
+
+def _assert_same(pair, rel=1e-4):
+    (la, ma, ga), (lb, mb, gb) = pair
+    assert lb.item() == pytest.approx(la.item(), rel=rel, abs=1e-6)
+    assert [m.item() for m in mb] == pytest.approx([m.item() for m in ma], rel=rel, abs=1e-6)
+    for want, got in zip(ga, gb):
+        assert (got - want).abs().max() <= rel * want.abs().max() + 1e-7, (got - want).abs().max()
+
+
+def _scattered_mask(d, seed):
+    # Liger's own grid masks random positions, not only a suffix: padding inside a sequence too
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(B, T, generator=g) > 0.35).double()
+    mask[0] = 1.0
+    return dict(d, mask=mask)
+
+
+LIGER_GRID = [
+    dict(loss_type=lt, level=lv, beta=be, bias_corr=bc, ratio=ra, scattered=sc)
+    for lt, lv, (be, bc), ra, sc in itertools.product(
+        ["luspo", "grpo", "dapo", "cispo", "sapo", "dr_grpo", "bnpo"], ["token", "sequence"],
+        [(0.0, False), (0.1, False), (0.1, True)], [None, "BT", "B1", "B"], [False, True])
+    if not (lv == "sequence" and lt in ("cispo", "sapo"))
+    and not (lt == "luspo" and lv == "sequence" and bc)  # refused (test_bad_options_fail_at_construction)
+    and (lt == "luspo" or (ra in (None, "B") and not sc))  # the other types: the [B] ratio is the new case
+]
+
+
+@pytest.mark.parametrize("case", LIGER_GRID, ids=_case_id)
+def test_matches_liger_itself_on_luspo_scattered_padding_and_per_sequence_ratios(case):
+    d = _batch(seed=len(_case_id(case)), bias=True)
+    if case["scattered"]:
+        d = _scattered_mask(d, seed=len(_case_id(case)))
+    ratio = {None: None, "BT": d["is_ratio"], "B1": d["is_ratio"][:, :1], "B": d["is_ratio"][:, 0]}[case["ratio"]]
+    opts = dict(beta=case["beta"], loss_type=case["loss_type"], importance_sampling_level=case["level"],
+                use_bias_correction_kl=case["bias_corr"], max_completion_length=T + 2,
+                epsilon_high=0.28 if case["loss_type"] != "cispo" else 1.1)
+    pair = _liger_pair(opts, d, ref_per_token_logps=d["ref"].float(), old_per_token_logps=d["old"].float(),
+                       vllm_is_ratio=None if ratio is None else ratio.float())
+    _assert_same(pair)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "luspo"])
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_use_ref_model_false_ignores_a_passed_reference_as_liger_does(loss_type, beta):
+    d = _batch(seed=11, bias=False)
+    opts = dict(beta=beta, loss_type=loss_type, use_ref_model=False)
+    pair = _liger_pair(opts, d, ref_per_token_logps=d["ref"].float(), old_per_token_logps=d["old"].float())
+    _assert_same(pair)
+    if beta:  # the reference differs from the policy: read, it would give a KL term > 0
+        assert pair[1][1][0].item() == 0.0
+
+
+def test_beta_without_a_reference_raises_as_liger_does():
+    d = _batch(seed=12)
+    args = (d["x"].float(), d["w"].float(), d["ids"], d["mask"].float(), d["adv"].float())
+    with pytest.raises(ValueError, match="ref_per_token_logps or ref_input"):
+        FusedLinearGRPOLoss(beta=0.1, backend="torch")(*args)
+    chunked = pytest.importorskip("liger_kernel.chunked_loss")
+    with pytest.raises(AssertionError):
+        chunked.LigerFusedLinearGRPOLoss(beta=0.1, compiled=False)(*args)
+
+
+@pytest.mark.parametrize("shape", [(0, T), (B, 0), (B, T)])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "luspo"])
+def test_empty_batches_give_a_zero_loss_and_zero_gradients(shape, loss_type):
+    b, t = shape
+    x = torch.randn(b, t, H, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    mask = torch.zeros(b, t)  # (B, T): every position is padding
+    loss, metrics = FusedLinearGRPOLoss(beta=0.0, loss_type=loss_type, backend="torch")(
+        x, w, torch.zeros(b, t, dtype=torch.long), mask, torch.ones(b), old_per_token_logps=torch.zeros(b, t))
+    # (luspo weighs padding too, by its sequence's length: 0 here)
+    assert loss.item() == 0.0 and [m.item() for m in metrics] == [0.0]
+    gx, gw = torch.autograd.grad(loss, [x, w])
+    assert gx.shape == x.shape and not gx.any() and not gw.any()

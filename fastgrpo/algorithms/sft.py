@@ -1,0 +1,62 @@
+"""Supervised fine-tuning's loss on the packed update (``python -m fastgrpo.sft``): ``sum_t w_t * -log p(y_t)`` over
+completion tokens only, with token weights fixed per step over the global batch (``sft.normalization``), so the
+gradient does not depend on the micro-batch budget or the world size, as for GRPO.
+
+Legend: S sequences on this rank, N their completion tokens (flat layout), n the target tokens of one micro-batch,
+H hidden size, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastgrpo.algorithms.losses import SFT_NORMALIZATIONS, GlobalCounts, token_weights
+from fastgrpo.kernels import linear_logprobs, resolve_backend
+from fastgrpo.models.packing import MicroBatch
+from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.update.guard import NonFiniteGuard
+from fastgrpo.update.step import gather_ints, optimizer_update, plan_step
+
+__all__ = ["sft_update", "sft_weights"]
+
+
+def sft_weights(completion_ids: list[list[int]], normalization: str, *, device: torch.device | str) -> torch.Tensor:
+    """Per-token weights [N] of the SFT loss for this rank's completions, normalised over the global batch."""
+    ranks = gather_ints([len(completion_ids), sum(len(c) for c in completion_ids)], device=device)  # [world size][2]
+    return _sft_token_weights(completion_ids, normalization, num_sequences=sum(r[0] for r in ranks),
+                              num_tokens=sum(r[1] for r in ranks), device=device)
+
+
+def _sft_token_weights(completion_ids: list[list[int]], normalization: str, *, num_sequences: int, num_tokens: int,
+                       device: torch.device | str) -> torch.Tensor:
+    lens = [len(c) for c in completion_ids]  # [S]
+    counts = GlobalCounts(num_sequences=num_sequences, num_tokens=num_tokens, max_completion_length=max(lens))
+    return token_weights(normalization, torch.tensor(lens, dtype=torch.long), counts, SFT_NORMALIZATIONS,
+                         num_tokens=sum(lens)).to(device)  # [N]
+
+
+def sft_update(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
+               normalization: str, max_tokens_per_microbatch: int, head_backend: str,
+               optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+               max_grad_norm: float, metrics: StepMetrics, device: torch.device | str,
+               pad_token_id: int = 0, guard: NonFiniteGuard | None = None) -> list[MicroBatch]:
+    """One optimizer update of supervised fine-tuning on this rank's (prompt, completion) pairs; returns the
+    micro-batches it ran. The loss is ``sum_t w_t * -log p(y_t)`` over completion tokens only, the weights from
+    :func:`sft_weights`; the log-probs come from the fused head (``-linear_logprobs``: no [N, V] tensor)."""
+    plan = plan_step(prompt_ids, completion_ids, max_tokens_per_microbatch, device=device, pad_token_id=pad_token_id)
+    mbs = plan.mbs
+    weights = _sft_token_weights(completion_ids, normalization, num_sequences=plan.num_sequences,
+                                 num_tokens=plan.num_tokens, device=device)  # [N], as sft_weights
+    # The gradient goes through linear_logprobs, which the gradient-in-forward cublas path does not differentiate
+    # (it forms the GRPO loss's gradient in forward): resolve as for log-probs, a recompute path on CUDA.
+    backend = resolve_backend(head_backend, device, needs_grad=False)
+
+    def head_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor):  # hidden [n, H], weight [V, H]
+        nll = -linear_logprobs(hidden, weight, mb.targets, backend=backend)  # [n]
+        return (weights[mb.flat_index] * nll).sum(), {"sft/nll": nll.detach().mean()}
+
+    model.train()
+    optimizer_update(model, mbs, head_loss, optimizer=optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm,
+                     metrics=metrics, guard=guard)
+    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_tokens for mb in mbs))))
+    return mbs

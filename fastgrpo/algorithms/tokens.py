@@ -1,0 +1,158 @@
+"""What GRPO and PPO share between their batches and the fused loss: the per-token inputs of the policy term and
+the one head loss that reads them.
+
+Legend: S sequences, N their completion tokens (flat layout: sequence i's tokens are contiguous), n the target
+tokens of one micro-batch, H hidden size, V vocabulary size.
+
+    loss_type_weights   grpo.loss_type's token weights [N] over the global batch of a step plan (normaliser only)
+    importance_weights  truncated importance weights [N] of the sampler's numerics (rollout.importance_sampling_cap)
+    TokenInputs.build   weights, advantages, old / reference log-probs; the policy term's weights times its factors
+                        (entropy mask, importance weights), the KL term's kept apart where they differ
+    PolicyObjective     the fused loss's settings read once from the config (grpo, rollout), and ``head_loss``: the
+                        closure ``optimizer_update`` runs per micro-batch, logging the policy's statistics
+
+As in TRL, the entropy mask and the importance weights scale the policy term only: the KL term keeps the plain
+normaliser, and so do GSPO's sequence means, which count every token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fastgrpo.algorithms.losses import POLICY_LOSS_OF, GlobalCounts, token_weights, truncated_importance_weights
+from fastgrpo.config import GRPOConfig, RolloutConfig
+from fastgrpo.kernels import POLICY_LOSSES, linear_grpo_loss, resolve_backend
+from fastgrpo.models.packing import MicroBatch
+from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.update.step import HeadLoss, StepPlan
+
+__all__ = ["POLICY_STATS", "PolicyObjective", "SequenceBatch", "TokenInputs", "importance_weights",
+           "loss_type_weights"]
+
+POLICY_STATS = ("clip_low_frac", "clip_high_frac", "kl_mean", "cispo_clip_frac")
+"""The kernel's statistics logged as ``policy/<name>`` (each when the loss type's term reports it), besides
+``policy/entropy``."""
+
+
+@dataclass(kw_only=True)
+class SequenceBatch:
+    """One rollout batch's sequences on this rank, as every update needs them (GRPO's and PPO's batches add theirs)."""
+
+    prompt_ids: list[list[int]]
+    """[S] prompt token ids."""
+    completion_ids: list[list[int]]
+    """[S] completion token ids."""
+    sampler_logprobs: torch.Tensor | None = None
+    """[N] the sampler's log-probs (truncated importance sampling, rollout.importance_sampling_cap), or None."""
+
+
+def loss_type_weights(loss_type: str, lengths: list[int], plan: StepPlan, *, max_completion_length: int,
+                      device: torch.device | str | None = None) -> torch.Tensor:
+    """Token weights [N] of ``loss_type`` for sequences of ``lengths`` [S] (the tokens that count), normalised by
+    ``plan``'s global totals (sequences and counted tokens over all ranks), so the summed gradient depends neither
+    on the micro-batch budget nor on the world size."""
+    counts = GlobalCounts(num_sequences=plan.num_sequences, num_tokens=plan.num_tokens,
+                          max_completion_length=max_completion_length)
+    weights = token_weights(loss_type, torch.tensor(lengths, dtype=torch.long), counts, num_tokens=sum(lengths))
+    return weights if device is None else weights.to(device)  # [N]
+
+
+def importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, *, cap: float,
+                       metrics: StepMetrics) -> torch.Tensor:
+    """Truncated importance weights [N] of the trainer's log-probs against the sampler's (the rollout engine's
+    kernels, or vLLM's own weights, differ from the trainer's); logs their mean as ``is/weight_mean``."""
+    is_w = truncated_importance_weights(old_logprobs, sampler_logprobs.to(old_logprobs.device), cap)  # [N]
+    metrics.add("is/weight_mean", is_w.mean())
+    return is_w
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenInputs:
+    """The per-token inputs of the policy loss in a batch's flat layout (all ``[N]``, on the device)."""
+
+    weights: torch.Tensor
+    """The policy term's weights: the normaliser times the policy-only factors."""
+    kl_weights: torch.Tensor | None
+    """The KL term's (and GSPO's sequence means') weights where they differ from ``weights``; else None."""
+    advantages: torch.Tensor
+    """Per-token advantages."""
+    old_logprobs: torch.Tensor | None = None
+    """Behaviour log-probs; None: ``logp.detach()`` (one update per batch, ratio 1)."""
+    ref_logprobs: torch.Tensor | None = None
+    """Reference log-probs (the KL term's), or None."""
+
+    @classmethod
+    def build(cls, weights: torch.Tensor, advantages: torch.Tensor, *, old_logprobs: torch.Tensor | None = None,
+              ref_logprobs: torch.Tensor | None = None, policy_factors: tuple[torch.Tensor | None, ...] = (),
+              separate_kl: bool = False) -> "TokenInputs":
+        """``weights`` [N] the normaliser; ``policy_factors`` [N] each (None: absent) multiply the policy term's
+        weights only. ``separate_kl``: whether the KL term (beta != 0) or the sequence means (GSPO) read weights at
+        all; the plain ones are then kept for them when a factor changed the policy's (with beta 0 at token level
+        they would only add softmax work for masked rows)."""
+        policy = weights
+        for factor in policy_factors:
+            if factor is not None:
+                policy = policy * factor  # [N]
+        kl = weights if policy is not weights and separate_kl else None
+        return cls(weights=policy, kl_weights=kl, advantages=advantages, old_logprobs=old_logprobs,
+                   ref_logprobs=ref_logprobs)
+
+
+def _at(vec: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    return None if vec is None else vec[index]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyObjective:
+    """The fused GRPO-family loss's settings for a run, read once from its config."""
+
+    backend: str
+    """The resolved kernel path (a recompute path at the sequence level)."""
+    sequence_level: bool
+    """GSPO: one importance ratio per sequence (``grpo.importance_sampling_level``)."""
+    kernel: dict = field(default_factory=dict)
+    """``linear_grpo_loss``'s objective keywords: epsilons, delta, beta, temperature, policy term, ..."""
+
+    @classmethod
+    def from_config(cls, grpo: GRPOConfig, rollout: RolloutConfig, device: torch.device | str) -> "PolicyObjective":
+        sequence_level = grpo.importance_sampling_level == "sequence"
+        # One kernel path for the loss and the old / reference log-probs: exp(logp - old) is exactly 1 while the
+        # policy has not moved. Sequence level (GSPO) needs a recompute path: 'auto' then picks triton on CUDA.
+        backend = resolve_backend(grpo.head_backend, device, needs_grad=True, sequence_level=sequence_level)
+        policy_loss = POLICY_LOSS_OF[grpo.loss_type]
+        eps_low, eps_high = ((grpo.sequence_epsilon_low, grpo.sequence_epsilon_high) if sequence_level
+                             else (grpo.epsilon_low, grpo.epsilon_high))
+        if POLICY_LOSSES[policy_loss].bound_is_epsilon_high:  # cispo's cap at either level (TRL's one eps_max)
+            eps_high = grpo.epsilon_high
+        return cls(backend=backend, sequence_level=sequence_level, kernel=dict(
+            epsilon_low=eps_low, epsilon_high=eps_high, delta=grpo.delta, beta=grpo.beta,
+            temperature=rollout.temperature, backend=backend, return_entropy=True, policy_loss=policy_loss,
+            sapo_temperature_pos=grpo.sapo_temperature_pos, sapo_temperature_neg=grpo.sapo_temperature_neg,
+            use_bias_correction_kl=grpo.use_bias_correction_kl))
+
+    @property
+    def separate_kl(self) -> bool:
+        """Whether the KL term or the sequence means read weights of their own (see ``TokenInputs.build``)."""
+        return self.kernel["beta"] != 0.0 or self.sequence_level
+
+    def head_loss(self, inputs: TokenInputs, sequence_index: dict[int, torch.Tensor] | None = None) -> HeadLoss:
+        """``head_loss(mb, hidden [n, H], weight [V, H]) -> (loss, stats)`` of ``inputs`` for ``optimizer_update``;
+        ``sequence_index``: ``id(mb)`` -> [n] sequence numbers (GSPO). Stats: ``policy/<POLICY_STATS>`` and
+        ``policy/entropy`` over the tokens that get loss."""
+        ref = inputs.ref_logprobs if self.kernel["beta"] != 0.0 else None
+        numbers = sequence_index or {}
+
+        def head_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor):  # hidden [n, H], weight [V, H]
+            i = mb.flat_index  # [n] into the batch's flat layout
+            w = inputs.weights[i]  # [n]
+            loss, stats = linear_grpo_loss(
+                hidden, weight, mb.targets, inputs.advantages[i], w, old_logprobs=_at(inputs.old_logprobs, i),
+                ref_logprobs=_at(ref, i), kl_token_weights=_at(inputs.kl_weights, i),
+                sequence_index=numbers.get(id(mb)), **self.kernel)
+            counted = w != 0
+            entropy = (stats["entropy"] * counted).sum() / counted.sum().clamp(min=1)  # over tokens that get loss
+            return loss, {**{f"policy/{k}": stats[k] for k in POLICY_STATS if k in stats}, "policy/entropy": entropy}
+
+        return head_loss

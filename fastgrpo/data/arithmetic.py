@@ -1,0 +1,84 @@
+"""Arithmetic problems asked for a bare number: a seeded generator with train/held-out splits.
+
+A problem is a row ``{"a": int, "op": str, "b": int, "answer": str}``: compute ``a op b``. ``answer`` is the exact
+result as a decimal string, the reference column the ``gsm8k`` reward reads (the completion's last number, or its
+``<answer>`` block, compared as an exact value), so the task needs no reward of its own.
+
+Operands: ``a`` has ``digits[0]`` digits and ``b`` has ``digits[1]``, each drawn uniformly among such numbers (one
+digit: 1..9); the operator is drawn uniformly from ``ops`` (keys of :data:`OPERATORS`). Subtraction puts the larger
+operand first, so every result is a non-negative integer. ``a + b`` and ``b + a`` (``a * b`` and ``b * a``) are one
+problem (:func:`problem_key`), so a held-out problem never reaches training with its operands swapped.
+
+Why this task: SmolLM2-135M-Instruct, asked "What is 29 * 8? Answer with just the number.", writes
+``"29 * 8 = 216"`` and often goes on talking; greedy, it is right on about a fifth of two-digit by one-digit
+products and on about one in twenty two-digit sums (measured through the hf engine, benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+from typing import Any, Callable, Hashable, Iterable
+
+OPERATORS: dict[str, tuple[Callable[[int, int], int], bool]] = {
+    "+": (operator.add, True),
+    "-": (operator.sub, False),
+    "*": (operator.mul, True),
+}
+"""Operator symbol -> (function, commutative). ``data.ops`` picks from these keys."""
+
+
+def problem_key(row: dict[str, Any]) -> Hashable:
+    """Canonical identity: the operator and its operands, unordered for a commutative operator."""
+    a, b, op = int(row["a"]), int(row["b"]), row["op"]
+    return (op, *sorted((a, b))) if OPERATORS[op][1] else (op, a, b)
+
+
+def _operand(rng: random.Random, digits: int) -> int:
+    return rng.randint(1 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
+
+
+def generate_problem(rng: random.Random, *, ops: list[str], digits: list[int]) -> dict[str, Any]:
+    """One problem drawn from ``rng`` (the distribution of the module docstring)."""
+    op = rng.choice(ops)
+    a, b = _operand(rng, digits[0]), _operand(rng, digits[1])
+    if op == "-" and b > a:  # a non-negative result: the sign is not what the task asks to learn
+        a, b = b, a
+    return {"a": a, "op": op, "b": b, "answer": str(OPERATORS[op][0](a, b))}
+
+
+def generate_problems(n: int, *, seed: int | str, ops: list[str], digits: list[int],
+                      exclude: Iterable[Hashable] = ()) -> list[dict[str, Any]]:
+    """``n`` distinct problems (by :func:`problem_key`), none of whose keys is in ``exclude``; deterministic given
+    the arguments. ValueError when the operators or digit counts are unknown or hold too few distinct problems."""
+    unknown = sorted(set(ops) - set(OPERATORS))
+    if not ops or unknown:
+        raise ValueError(f"arithmetic: unknown operators {unknown} in data.ops; known: {sorted(OPERATORS)}")
+    if len(digits) != 2 or not all(1 <= d <= 9 for d in digits):
+        raise ValueError(f"arithmetic: data.digits must be two digit counts in 1..9, got {digits}")
+    rng, seen, rows = random.Random(seed), set(exclude), []
+    for _ in range(50 * n + 1000):
+        if len(rows) == n:
+            break
+        row = generate_problem(rng, ops=ops, digits=digits)
+        key = problem_key(row)
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
+    if len(rows) < n:
+        raise ValueError(f"arithmetic: found only {len(rows)} distinct problems of the {n} asked for with digits "
+                         f"{digits} and ops {ops}; use more digits or operators, or ask for fewer "
+                         "(data.num_train, data.num_eval)")
+    return rows
+
+
+def arithmetic_splits(*, num_train: int, num_eval: int, seed: int, ops: list[str],
+                      digits: list[int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train, eval) problem lists that share no :func:`problem_key`.
+
+    The held-out split is drawn first from its own stream, so it does not change when num_train does.
+    """
+    eval_rows = generate_problems(num_eval, seed=f"arithmetic-eval-{seed}", ops=ops, digits=digits)
+    train_rows = generate_problems(num_train, seed=f"arithmetic-train-{seed}", ops=ops, digits=digits,
+                                   exclude=[problem_key(r) for r in eval_rows])
+    return train_rows, eval_rows
