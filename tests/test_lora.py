@@ -283,7 +283,11 @@ def _lora_toy_rewards(base, tmp_path, sign: float) -> list[float]:
     from test_trainer import TOY, _rewards
 
     cfg = load_config(None, TOY + [f"output_dir={tmp_path}", f"name=lora{sign}", "max_steps=20",
-                                   f"model.name_or_path={base}", "model.lora.rank=8", f"rewards.weights=[{sign}]"])
+                                   f"model.name_or_path={base}", "model.lora.rank=8", f"rewards.weights=[{sign}]",
+                                   # at 1.0 this base's samples held no digit at all on one CPU (0 of 1,280: no
+                                   # group with signal), though ~2% on another: float rounding differs between CPUs
+                                   # and the rate is that small. 1.25 explores (2-9% at the first step) on both.
+                                   "rollout.temperature=1.25"])
     trainer = Trainer(cfg)
     assert trainer.cfg.model.lora.enabled
     trainer.run()
@@ -296,8 +300,8 @@ def test_grpo_learns_the_toy_task_with_lora_from_a_trained_head(pretrained_tiny,
     logits within about +-1.3 (benchmarks/RESULTS.md). The control runs the same LoRA training with the reward's
     sign flipped: the rise comes from the adapters following the reward, not from the base."""
     rewards = _lora_toy_rewards(pretrained_tiny, tmp_path, 1.0)
-    start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert start < 0.3, rewards  # the same criterion as the full fine-tuning test
+    start, end = rewards[0], sum(rewards[-3:]) / 3  # the first step's rollout comes before any update
+    assert start < 0.3, rewards
     assert end > 0.8, rewards
     flipped = [-r for r in _lora_toy_rewards(pretrained_tiny, tmp_path, -1.0)]  # back to the toy_digit scale
     assert max(flipped[-10:]) < 0.2, flipped
