@@ -52,12 +52,18 @@ def registry(source: str, *, also: tuple[str, ...] = (), plugins: bool = False) 
     return {"registry": source, "also": also, "plugins": plugins}
 
 
+def registry_table(source: str) -> Any:
+    """The registry ``source`` ('module:NAME') itself, imported when a config is validated (never at import: config
+    is the bottom layer, and the registries live in the components above it)."""
+    module, _, attr = source.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def choices(cls: type, name: str) -> list | None:
     """The accepted values of field ``name`` of config class ``cls`` (list fields: of each entry), or None."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     if "registry" in f.metadata:
-        module, _, attr = f.metadata["registry"].partition(":")
-        return [*f.metadata["also"], *getattr(importlib.import_module(module), attr)]
+        return [*f.metadata["also"], *registry_table(f.metadata["registry"])]
     tp = _field_types(cls)[name]
     if typing.get_origin(tp) is list:
         tp = typing.get_args(tp)[0]

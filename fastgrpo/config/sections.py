@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fastgrpo.config.loader import check, registry
+from fastgrpo.config.loader import check, registry, registry_table
 
 __all__ = ["CheckpointConfig", "DataConfig", "EnvConfig", "EvalConfig", "GRPOConfig", "HFRolloutConfig", "LogConfig",
            "LoraConfig", "ModelConfig", "OptimConfig", "PPOConfig", "ParallelConfig", "RewardConfig", "RolloutConfig",
@@ -376,8 +376,12 @@ class GRPOConfig:
         check(self.beta >= 0, f"{p}.beta", "must be >= 0")
         check(0 <= self.epsilon_low < 1, f"{p}.epsilon_low", "must be in [0, 1)")
         check(self.epsilon_high >= 0, f"{p}.epsilon_high", "must be >= 0")
-        check(self.loss_type != "cispo" or self.epsilon_high > 0, f"{p}.epsilon_high",
-              "must be > 0 with loss_type cispo (the truncation bound of its importance weight; TRL suggests 5.0)")
+        from fastgrpo.kernels import POLICY_LOSSES  # here: kernels import torch (and triton)
+
+        term = registry_table("fastgrpo.algorithms.losses:POLICY_LOSS_OF").get(self.loss_type)
+        check(term is None or not POLICY_LOSSES[term].bound_is_epsilon_high or self.epsilon_high > 0,
+              f"{p}.epsilon_high", f"must be > 0 with loss_type {self.loss_type} (the truncation bound of its "
+              "importance weight; TRL suggests 5.0)")
         check(self.sapo_temperature_pos > 0, f"{p}.sapo_temperature_pos", "must be > 0")
         check(self.sapo_temperature_neg > 0, f"{p}.sapo_temperature_neg", "must be > 0")
         check(self.delta is None or self.delta > 1 + self.epsilon_high, f"{p}.delta",
@@ -489,8 +493,8 @@ class ParallelConfig:
     copy of the weights, refreshed after every optimizer step; 'fsdp' wraps it in FSDP2 as with several ranks (the
     default before 2026-11-25; its one-rank gathers cost launches, and its DTensors rule out the lean decode step)."""
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Compute dtype on CUDA: FSDP2's gathered parameters, or the autocast dtype of one plain GPU (CPU always
-    computes in float32)."""
+    """Compute dtype on CUDA: FSDP2's gathered parameters, or the autocast dtype of one plain GPU (a CPU computes in
+    float32 unless ``master_weights``)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 mixed precision: dtype of gradient reductions."""
     cpu_offload: bool = False
@@ -498,10 +502,27 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass."""
     compile: bool = False
-    """torch.compile each transformer block."""
+    """torch.compile each transformer block (fullgraph, static shapes: one graph per token bucket; attention as the
+    registered varlen op)."""
+    token_buckets: list[int] = field(default_factory=list)
+    """Pad each packed micro-batch up to the smallest of these token counts (static shapes, the tail a dummy segment
+    that predicts nothing); [] = no padding, or with compile / cuda_graphs the micro-batch budget's 1/4, 1/2 and 1."""
+    master_weights: bool = False
+    """One plain GPU (or CPU): forward and backward on ``param_dtype`` weights, AdamW on float32 masters of them (no
+    autocast); off: float32 weights with autocast on CUDA, float32 on a CPU."""
+    cuda_graphs: bool = False
+    """CUDA: capture each token bucket's forward + head loss + backward once and replay it (a micro-batch that fits
+    no bucket runs eager); needs compile."""
 
     def validate(self, p: str) -> None:
-        pass  # its choices are Literal fields, checked with every section's
+        check(all(isinstance(b, int) and b >= 2 for b in self.token_buckets), f"{p}.token_buckets",
+              f"every bucket must be a token count >= 2, got {self.token_buckets}")
+        check(not self.cuda_graphs or self.compile, f"{p}.cuda_graphs",
+              "needs parallel.compile=true (graphs are captured per token bucket of the compiled blocks)")
+        check(not self.master_weights or self.param_dtype != "float32", f"{p}.master_weights",
+              "needs parallel.param_dtype bfloat16 (float32 compute weights would be their own masters)")
+        check(not (self.master_weights and self.cpu_offload), f"{p}.master_weights",
+              "keeps the masters in the optimizer; it does not combine with parallel.cpu_offload")
 
 
 @dataclass(kw_only=True)
