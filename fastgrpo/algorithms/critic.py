@@ -69,7 +69,8 @@ def load_critic(cfg: ModelConfig, *, init: str | None, device: torch.device | st
     trunk and a trainable value head (only they reach the critic's optimizer and checkpoints)."""
     if cfg.lora.enabled:
         check_peft_available()
-    source = dataclasses.replace(cfg, name_or_path=init or cfg.name_or_path)
+    # a critic_init folder is its own model: the policy's GGUF file name (model.gguf_file) does not apply to it
+    source = dataclasses.replace(cfg, name_or_path=init or cfg.name_or_path, gguf_file=None if init else cfg.gguf_file)
     try:
         loaded = load_model(source, device=device, dtype=dtype, seed=seed)
     except (ValueError, OSError) as e:  # the loader names model.name_or_path; here the folder is ppo.critic_init's

@@ -91,7 +91,8 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
     counted = sum(model_lens) if keep is None else sum(n for n, k in zip(model_lens, keep.tolist()) if k)
     plan = plan_step(batch.prompt_ids, batch.completion_ids,
                      max_tokens_per_microbatch or microbatch_tokens(grpo.max_tokens_per_microbatch, device),
-                     device=device, pad_token_id=pad_token_id, counted_tokens=counted)
+                     device=device, pad_token_id=pad_token_id, counted_tokens=counted,
+                     buckets=getattr(model, "token_buckets", ()))
     mbs = plan.mbs
     # [N] (model tokens only while model_mask is set)
     weights = loss_type_weights(grpo.loss_type, model_lens, plan, max_completion_length=rollout.max_completion_length)

@@ -183,7 +183,9 @@ def ppo_update(policy: torch.nn.Module, critic: torch.nn.Module, batch: PPOBatch
     lens = [len(c) for c in batch.completion_ids]  # [S] host ints
     n_tok = sum(lens)
     budget = max_tokens_per_microbatch or microbatch_tokens(grpo.max_tokens_per_microbatch, device)
-    plan = plan_step(batch.prompt_ids, batch.completion_ids, budget, device=device, pad_token_id=pad_token_id)
+    buckets = getattr(policy, "token_buckets", ())  # the critic is parallelized with the same settings
+    plan = plan_step(batch.prompt_ids, batch.completion_ids, budget, device=device, pad_token_id=pad_token_id,
+                     buckets=buckets)
     objective = PolicyObjective.from_config(grpo, rollout, device)
     logprobs = partial(packed_logprobs, mbs=plan.mbs, num_tokens=n_tok, temperature=rollout.temperature,
                        backend=objective.backend)
@@ -215,7 +217,7 @@ def ppo_update(policy: torch.nn.Module, critic: torch.nn.Module, batch: PPOBatch
         for part in mini_batches(len(lens), ppo.num_mini_batches, g):
             p_lens = [lens[i] for i in part]
             sub = plan_step([batch.prompt_ids[i] for i in part], [batch.completion_ids[i] for i in part], budget,
-                            device=device, pad_token_id=pad_token_id)
+                            device=device, pad_token_id=pad_token_id, buckets=buckets)
             w = loss_type_weights(grpo.loss_type, p_lens, sub, max_completion_length=rollout.max_completion_length,
                                   device=device)  # [n_part]
             at = _flat_index(part, lens, device)  # [n_part]: the part's tokens in the step's layout

@@ -43,7 +43,8 @@ def sft_update(model: torch.nn.Module, prompt_ids: list[list[int]], completion_i
     """One optimizer update of supervised fine-tuning on this rank's (prompt, completion) pairs; returns the
     micro-batches it ran. The loss is ``sum_t w_t * -log p(y_t)`` over completion tokens only, the weights from
     :func:`sft_weights`; the log-probs come from the fused head (``-linear_logprobs``: no [N, V] tensor)."""
-    plan = plan_step(prompt_ids, completion_ids, max_tokens_per_microbatch, device=device, pad_token_id=pad_token_id)
+    plan = plan_step(prompt_ids, completion_ids, max_tokens_per_microbatch, device=device, pad_token_id=pad_token_id,
+                     buckets=getattr(model, "token_buckets", ()))
     mbs = plan.mbs
     weights = _sft_token_weights(completion_ids, normalization, num_sequences=plan.num_sequences,
                                  num_tokens=plan.num_tokens, device=device)  # [N], as sft_weights

@@ -3,7 +3,8 @@
 The model code knows nothing of this; ``parallelize_model`` changes the module in place, in a fixed order:
 
 1. activation checkpointing per transformer block (wraps the block),
-2. ``torch.compile`` per block (compiles the wrapped block, so recomputation is compiled too),
+2. ``torch.compile`` per block (compiles the wrapped block, so recomputation is compiled too; ``fullgraph=True``,
+   ``dynamic=False``: one graph per token bucket, attention as the registered ``varlen_op``),
 3. FSDP2 ``fully_shard`` per block, then on the root module (several ranks; one GPU: ``parallel.one_gpu``).
    A plain module on one GPU gets ``model.autocast_dtype`` instead: its forwards run under autocast.
 
@@ -35,6 +36,7 @@ from torch import nn
 
 from fastgrpo.config import ParallelConfig
 from fastgrpo.models.loading import packed_head_forward
+from fastgrpo.models.packing import AUTO_BUCKETS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -57,11 +59,20 @@ def _apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
         blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def _apply_compile(blocks: nn.ModuleList) -> None:
-    # Per block, not the whole model: every block has the same graph, so one compilation serves all, and
-    # the varying packed length T is a dynamic dimension instead of a recompile per step.
+# Backends that hand the attention host ints of the row's boundaries: each new set would be a guard failure (a
+# recompile) in a compiled block, so compiled blocks run the same attention as one registered op on a boundary tensor.
+_HOST_BOUNDS_BACKENDS = ("sdpa_varlen", "torch_varlen")
+
+
+def _apply_compile(model: nn.Module, blocks: nn.ModuleList) -> None:
+    # Per block, not the whole model: every block has the same graph, so one compilation serves all (dynamo passes
+    # the parameters as inputs). fullgraph: a graph break would split the block and bring back the host dispatch
+    # compiling is there to remove. dynamic=False: the packed rows are padded to a few token buckets
+    # (parallel.token_buckets), so each bucket is one static-shape graph, reused by every later step.
+    if getattr(model.config, "_attn_implementation", None) in _HOST_BOUNDS_BACKENDS:
+        model.set_attn_implementation("varlen_op")
     for block in blocks:
-        block.compile(dynamic=True)
+        block.compile(fullgraph=True, dynamic=False)
 
 
 def _sum_gradient_reduction(module: nn.Module) -> None:
@@ -137,7 +148,8 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
 
     FSDP2 is applied per :func:`uses_fsdp` (a process group must exist); with one CPU process the model stays a
     plain module (no collectives, no DTensors) but goes through the same steps otherwise.
-    Afterwards ``model.packed_forward(mb, head)`` runs a packed micro-batch and the head (see module doc).
+    Afterwards ``model.packed_forward(mb, head)`` runs a packed micro-batch and the head (see module doc), and
+    ``model.token_buckets`` says what the step plan pads packed rows to (``plan_step(buckets=...)``).
     Gradients are SUMMED over ranks (``_sum_gradient_reduction``): weight tokens by global normalisers.
     """
     device = torch.device(device)
@@ -153,7 +165,7 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
     if cfg.activation_checkpointing:
         _apply_activation_checkpointing(blocks)
     if cfg.compile:
-        _apply_compile(blocks)
+        _apply_compile(model, blocks)
     if fsdp:
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
@@ -161,6 +173,8 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
                              "(fastgrpo.distributed.groups.init_distributed)")
         _apply_fsdp(model, blocks, cfg, device, world_size)
     assert _tied(model) == tied, "parallelize_model must not untie (or tie) the embeddings"
+    # Static shapes: what the step plan pads each packed row to (compiled blocks: one graph per bucket)
+    model.token_buckets = list(cfg.token_buckets) or (AUTO_BUCKETS if cfg.compile else [])
     # One plain GPU: forwards run under autocast (packed_head_forward, the hf engine), float32 weights as masters.
     model.autocast_dtype = autocast_dtype(cfg, device, world_size)
     # Bound to this instance so that FSDP's pre/post-forward hooks can wrap it like forward.

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fastgrpo.models.packing import MicroBatch
+from fastgrpo.models.varlen_op import varlen_attn
 
 __all__ = ["ATTN_BACKENDS", "AttnBackend", "block_causal_mask", "choose_attn_implementation",
            "decoding_attn_implementation", "packed_attention_inputs", "register_attn_backend",
@@ -81,9 +82,14 @@ def _own_varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
     # fastgrpo's varlen backends: the boundaries also as host ints, from the packing plan (no device-to-host copy
     # per layer in sdpa_varlen), and the no-padding marker
     bounds = [0]
-    for length in mb.seq_lengths or [mb.num_tokens]:  # a dummy row is one sequence of its one token
+    for length in mb.segment_lengths:  # the sequences, then a padded row's dummy segments
         bounds.append(bounds[-1] + length)
     return {**_varlen_inputs(mb), "sequence_bounds": bounds, "attention_mask": _no_padding(mb)}
+
+
+def _op_varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
+    # "varlen_op": the boundaries as a device tensor only (host ints would be guarded values in a compiled block)
+    return {**_varlen_inputs(mb), "attention_mask": _no_padding(mb)}
 
 
 def _position_ids_only(mb: MicroBatch) -> dict[str, Any]:
@@ -207,6 +213,26 @@ def _torch_varlen(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     return out[None], None
 
 
+def _varlen_op(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+               sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function of ``"varlen_op"``, the backend of compiled blocks: one traceable node per
+    layer whatever the row's boundaries, no host value in the graph. query ``[1, Hq, T, d]``, key / value
+    ``[1, Hkv, T, d]`` -> ``[1, T, Hq, d]``. On CUDA in bfloat16/float16 (torch >= 2.10) torch's FlashAttention
+    varlen op (as ``"torch_varlen"``); elsewhere ``torch.ops.fastgrpo.varlen_attn`` (:mod:`fastgrpo.models.varlen_op`).
+    Needs the packed row's ``cu_seq_lens_q`` (``packed_attention_inputs``): no padding, KV cache or sliding window."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or dropout or sliding_window is not None:
+        raise ValueError("model.attn_implementation=varlen_op runs packed rows only (cu_seq_lens_q), without "
+                         "dropout or sliding-window layers")
+    if query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16) and _torch_varlen_available():
+        return _torch_varlen(module, query, key, value, attention_mask, dropout, scaling, sliding_window, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, d]
+    out = varlen_attn(q, k, v, cu, int(kwargs["max_length_q"]), float(scale))  # [T, Hq, d]
+    return out[None], None
+
+
 def _sdpa_varlen_mask(*, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None, **_) -> None:
     """transformers mask function of ``"sdpa_varlen"``: builds nothing (the attention needs only the boundaries),
     but refuses what per-sequence causal attention would get wrong: padding, and a KV cache (decoding)."""
@@ -221,7 +247,8 @@ def _sdpa_varlen_mask(*, q_length: int, kv_length: int, attention_mask: torch.Te
 
 
 def register_with_transformers() -> None:
-    """Make fastgrpo's own attention implementations (``"sdpa_varlen"``, ``"torch_varlen"``) known to transformers; idempotent.
+    """Make fastgrpo's own attention implementations (``"sdpa_varlen"``, ``"torch_varlen"``, ``"varlen_op"``) known to
+    transformers; idempotent.
     ``load_model`` calls it; call it before building a model from a config with one of them."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -230,6 +257,8 @@ def register_with_transformers() -> None:
     AttentionMaskInterface.register("sdpa_varlen", _sdpa_varlen_mask)
     AttentionInterface.register("torch_varlen", _torch_varlen)
     AttentionMaskInterface.register("torch_varlen", _sdpa_varlen_mask)
+    AttentionInterface.register("varlen_op", _varlen_op)
+    AttentionMaskInterface.register("varlen_op", _sdpa_varlen_mask)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,6 +292,9 @@ register_attn_backend("eager", AttnBackend())
 # torch's FlashAttention varlen kernel (CUDA, bf16/fp16): the CUDA default without flash-attn; decodes with sdpa.
 register_attn_backend("torch_varlen", AttnBackend(check=_needs_torch_varlen, packed_inputs=_own_varlen_inputs,
                                                   decode_with="sdpa"))
+# One registered op per layer (fastgrpo.models.varlen_op; torch's varlen op on CUDA in bf16): what compiled blocks
+# run (parallel.compile switches sdpa_varlen / torch_varlen to it); decodes with sdpa.
+register_attn_backend("varlen_op", AttnBackend(packed_inputs=_op_varlen_inputs, decode_with="sdpa"))
 
 
 def choose_attn_implementation(requested: str, device: torch.device | str) -> str:

@@ -12,6 +12,14 @@ Shape legend:
   H  hidden size                                     V  vocabulary size
   K  sequences in one micro-batch
 
+Static shapes (``buckets``): a compiled block (``dynamic=False``) or a captured CUDA graph needs the same tensor
+shapes at every call, so ``pack`` can pad each row up to the smallest of a few token *buckets* that holds it. The
+tail is made of dummy segments (``pad_token_id`` tokens, position ids restarting at 0, each at most ``max_seqlen``
+long) that predict nothing: they add no row to ``hidden_index`` / ``targets``, so their token weight is 0 and the
+loss and gradients are those of the unpadded row. ``cu_seqlens`` is padded to a fixed count per bucket
+(:func:`segment_capacity`) by repeating the last offset, which equals the row length (zero-length segments, which
+varlen kernels skip), and ``max_seqlen`` is the caller's fixed cap (prompt + completion), not the row's longest.
+
 Flat layout: sequence i's completion tokens occupy ``offsets[i] : offsets[i] + L_i`` where ``offsets`` is the
 exclusive cumulative sum of the completion lengths L. Per-token tensors of the step (advantage, token weight,
 old/ref log-prob) live in this layout and a micro-batch reads them with ``flat_index``.
@@ -22,7 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -121,6 +129,49 @@ def split_to_count(bins: list[list[int]], lengths: Sequence[int], num_bins: int)
     return out + [[] for _ in range(num_bins - len(out))]
 
 
+def bucket_for(num_tokens: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket that holds ``num_tokens`` tokens, or None when none does (the row keeps its length)."""
+    fits = [b for b in buckets if b >= num_tokens]
+    return min(fits) if fits else None
+
+
+AUTO_BUCKETS = "auto"
+"""``buckets`` value meaning: the budget's 1/4, 1/2 and 1 (:func:`resolve_buckets`)."""
+
+
+def resolve_buckets(buckets: Sequence[int] | str, max_tokens: int) -> list[int]:
+    """The token buckets of a step with micro-batch budget ``max_tokens``: ``buckets`` itself, or for
+    :data:`AUTO_BUCKETS` three of them, ``max_tokens`` and its half and quarter rounded up to a multiple of 64 (FFD
+    fills most rows close to the budget; the last rows of a step are the small ones)."""
+    if buckets == AUTO_BUCKETS:
+        return sorted({min(max_tokens, max(2, -(-max_tokens // (d * 64)) * 64)) for d in (4, 2)} | {max_tokens})
+    return check_buckets(buckets)
+
+
+def segment_capacity(bucket: int) -> int:
+    """Entries of a padded ``cu_seqlens`` for a row of ``bucket`` tokens: ``bucket // 2 + 2``.
+
+    Every real sequence has at least two tokens (prompt and completion each >= 1) and every dummy segment of the
+    tail but the last is ``max_seqlen`` >= 2 long, so a row holds at most ``bucket // 2 + 1`` segments, plus the
+    leading 0. A fixed count per bucket keeps the boundary tensor's shape, hence the compiled graph, the same."""
+    return bucket // 2 + 2
+
+
+def check_buckets(buckets: Sequence[int], name: str = "buckets") -> list[int]:
+    """``buckets`` sorted ascending without repeats; ValueError naming ``name`` when one is < 2."""
+    for b in buckets:
+        if int(b) < 2:
+            raise ValueError(f"{name}: every token bucket must be >= 2 tokens, got {b}")
+    return sorted({int(b) for b in buckets})
+
+
+def _tail_segments(tail: int, max_seqlen: int) -> list[int]:
+    """Lengths of the dummy segments that fill ``tail`` tokens, each at most ``max_seqlen`` (the varlen kernels are
+    told no sequence is longer)."""
+    full, rest = divmod(tail, max_seqlen)
+    return [max_seqlen] * full + ([rest] if rest else [])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Packing: token ids -> tensors of one micro-batch
 
@@ -153,6 +204,14 @@ class MicroBatch:
     """T: tokens the trunk runs on (1 for a dummy micro-batch)."""
     num_completion_tokens: int
     """N: completion tokens, the rows of the lm_head input."""
+    pad_lengths: list[int] = field(default_factory=list)
+    """Lengths of the dummy segments that pad the row to its token bucket (empty: not padded)."""
+
+    @property
+    def segment_lengths(self) -> list[int]:
+        """Every segment of the row in order: the real sequences, then the padding's dummy segments (a dummy row
+        is one segment of its tokens); they add up to ``num_tokens``."""
+        return [*(self.seq_lengths or [self.num_tokens - sum(self.pad_lengths)]), *self.pad_lengths]
 
     @property
     def is_dummy(self) -> bool:
@@ -167,6 +226,8 @@ def pack(
     device: torch.device | str,
     *,
     pad_token_id: int = 0,
+    buckets: Sequence[int] = (),
+    max_seqlen: int | None = None,
 ) -> list[MicroBatch]:
     """Build one ``MicroBatch`` per bin.
 
@@ -176,7 +237,21 @@ def pack(
     one ``pad_token_id`` token with N = 0. Index tensors are built on the host, in three buffers for all the bins
     (``[1, *]`` rows, ``[*]`` int64 vectors, int32 boundaries), each copied to the device once and split into
     views: three copies per step where one per tensor and bin would be seven per micro-batch.
+
+    With ``buckets`` (module doc, "Static shapes") a row of T tokens is padded to the smallest bucket >= T (a row
+    longer than every bucket, e.g. one oversize sequence, keeps T), ``cu_seqlens`` to ``segment_capacity`` entries,
+    and a padded row's ``max_seqlen`` is ``max_seqlen`` (the prompt + completion cap; a longer sequence is a
+    ValueError, since the varlen kernels would read past it), or without it the row's bucket: either way the same
+    at every step.
     """
+    buckets = check_buckets(buckets)
+    if buckets and max_seqlen is not None:
+        if max_seqlen < 2:
+            raise ValueError(f"max_seqlen must be the prompt + completion cap (>= 2), got {max_seqlen}")
+        longest = max((len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)), default=0)
+        if longest > max_seqlen:
+            raise ValueError(f"a sequence of {longest} tokens is longer than max_seqlen={max_seqlen} (the prompt + "
+                             "completion cap the padded micro-batches are compiled for)")
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
     for name, seqs in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids)):
@@ -186,6 +261,8 @@ def pack(
     vectors: list[list[int]] = []  # per bin: hidden index, targets, flat index [N] each, segment ids [T]
     bounds: list[list[int]] = []  # per bin: cu_seqlens [K + 1]
     lengths: list[list[int]] = []
+    pads: list[list[int]] = []
+    longest: list[int] = []  # per bin: its max_seqlen
     for b in bins:
         ids: list[int] = []
         pos: list[int] = []
@@ -205,11 +282,23 @@ def pack(
             seq_lengths.append(P + L)
         if not b:  # dummy row: one token so that the trunk (and its collectives) still runs
             ids, pos = [pad_token_id], [0]
+        segments = seq_lengths or [1]
+        bucket = bucket_for(len(ids), buckets)
+        pad = _tail_segments(bucket - len(ids), max_seqlen or bucket) if bucket is not None else []
+        for n in pad:  # the tail: dummy segments that predict nothing (no hidden_index entry: token weight 0)
+            ids.extend([pad_token_id] * n)
+            pos.extend(range(n))
+        segments = segments + pad
         rows += [ids, pos]
-        vectors += [hidden_index, targets, flat_index,
-                    [k for k, n in enumerate(seq_lengths) for _ in range(n)] if b else [0]]
-        bounds.append([0, *itertools.accumulate(seq_lengths)] if b else [0, 1])
+        vectors += [hidden_index, targets, flat_index, [k for k, n in enumerate(segments) for _ in range(n)]]
+        cu = [0, *itertools.accumulate(segments)]
+        if bucket is not None:  # a fixed count per bucket: zero-length segments at the end
+            assert len(cu) <= segment_capacity(bucket), (cu, bucket)
+            cu += [cu[-1]] * (segment_capacity(bucket) - len(cu))
+        bounds.append(cu)
         lengths.append(seq_lengths)
+        pads.append(pad)
+        longest.append(max(seq_lengths, default=1) if bucket is None else max_seqlen or bucket)
 
     def views(parts: list[list[int]], dtype: torch.dtype, row: bool = False) -> tuple[torch.Tensor, ...]:
         flat = torch.tensor([x for part in parts for x in part], dtype=dtype)
@@ -227,7 +316,8 @@ def pack(
         segment_ids=vec_t[4 * j + 3],  # [T]
         seq_indices=list(b),
         seq_lengths=lengths[j],
-        max_seqlen=max(lengths[j], default=1),
+        max_seqlen=longest[j],
         num_tokens=len(rows[2 * j]),
         num_completion_tokens=len(vectors[4 * j + 1]),
+        pad_lengths=pads[j],
     ) for j, b in enumerate(bins)]

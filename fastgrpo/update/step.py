@@ -22,6 +22,7 @@ check and the metrics' one read at the end of the step (``benchmarks/count_ops.p
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -30,7 +31,7 @@ import torch
 
 from fastgrpo.distributed import groups as fdist
 from fastgrpo.kernels import linear_logprobs
-from fastgrpo.models.packing import MicroBatch, pack, plan_microbatches, split_to_count
+from fastgrpo.models.packing import MicroBatch, pack, plan_microbatches, resolve_buckets, split_to_count
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update.guard import NonFiniteGuard
 
@@ -80,17 +81,21 @@ class StepPlan:
 
 
 def plan_step(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_tokens: int, *,
-              device: torch.device | str, pad_token_id: int = 0, counted_tokens: int | None = None) -> StepPlan:
+              device: torch.device | str, pad_token_id: int = 0, counted_tokens: int | None = None,
+              buckets: Sequence[int] | str = ()) -> StepPlan:
     """First-fit-decreasing micro-batches under ``max_tokens``, split or padded to the same count on every rank, and
     the global number of sequences and of ``counted_tokens`` (default: every completion token of this rank), all
-    from one collective."""
+    from one collective. ``buckets``: the token buckets each row is padded to (``model.token_buckets``, set by
+    ``parallelize_model``; 'auto' resolves against ``max_tokens``); () = no padding."""
     seq_lens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
     bins = plan_microbatches(seq_lens, max_tokens)
     counted = sum(len(c) for c in completion_ids) if counted_tokens is None else counted_tokens
     ranks = gather_ints([len(seq_lens), counted, len(bins)], device=device)  # [world size][3]
     # FSDP: every rank must run the same number of forward/backward calls (collectives per block)
     bins = split_to_count(bins, seq_lens, max(r[2] for r in ranks))
-    return StepPlan(mbs=pack(prompt_ids, completion_ids, bins, device=device, pad_token_id=pad_token_id),
+    mbs = pack(prompt_ids, completion_ids, bins, device=device, pad_token_id=pad_token_id,
+               buckets=resolve_buckets(buckets, max_tokens))
+    return StepPlan(mbs=mbs,
                     num_sequences=sum(r[0] for r in ranks), num_tokens=sum(r[1] for r in ranks))
 
 
