@@ -1,4 +1,4 @@
-"""benchmarks/profile_phases.py: a profiled update's self CPU time split into trunk forward/backward, head, optimizer."""
+"""benchmarks/profile_phases.py: a profiled update's self CPU time by phase (trunk fwd/bwd, head, optimizer)."""
 
 import pytest
 import torch

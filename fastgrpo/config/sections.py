@@ -511,14 +511,16 @@ class ParallelConfig:
     """One plain GPU (or CPU): forward and backward on ``param_dtype`` weights, AdamW on float32 masters of them (no
     autocast); off: float32 weights with autocast on CUDA, float32 on a CPU."""
     cuda_graphs: bool = False
-    """CUDA: capture each token bucket's forward + head loss + backward once and replay it (a micro-batch that fits
-    no bucket runs eager); needs compile."""
+    """One plain GPU: replay the blocks' forward and backward from CUDA graphs captured per token bucket (a row that
+    fits no bucket runs eagerly); with compile, inductor's graphs (mode reduce-overhead); else needs token_buckets."""
 
     def validate(self, p: str) -> None:
         check(all(isinstance(b, int) and b >= 2 for b in self.token_buckets), f"{p}.token_buckets",
               f"every bucket must be a token count >= 2, got {self.token_buckets}")
-        check(not self.cuda_graphs or self.compile, f"{p}.cuda_graphs",
-              "needs parallel.compile=true (graphs are captured per token bucket of the compiled blocks)")
+        check(not self.cuda_graphs or self.compile or self.token_buckets, f"{p}.cuda_graphs",
+              "needs parallel.token_buckets (the row lengths to capture) or parallel.compile=true")
+        check(not (self.cuda_graphs and self.activation_checkpointing), f"{p}.cuda_graphs",
+              "does not combine with parallel.activation_checkpointing (a graph replays the backward it captured)")
         check(not self.master_weights or self.param_dtype != "float32", f"{p}.master_weights",
               "needs parallel.param_dtype bfloat16 (float32 compute weights would be their own masters)")
         check(not (self.master_weights and self.cpu_offload), f"{p}.master_weights",

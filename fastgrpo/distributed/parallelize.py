@@ -6,7 +6,9 @@ The model code knows nothing of this; ``parallelize_model`` changes the module i
 2. ``torch.compile`` per block (compiles the wrapped block, so recomputation is compiled too; ``fullgraph=True``,
    ``dynamic=False``: one graph per token bucket, attention as the registered ``varlen_op``),
 3. FSDP2 ``fully_shard`` per block, then on the root module (several ranks; one GPU: ``parallel.one_gpu``).
-   A plain module on one GPU gets ``model.autocast_dtype`` instead: its forwards run under autocast.
+   A plain module on one GPU gets ``model.autocast_dtype`` instead: its forwards run under autocast; or with
+   ``parallel.master_weights`` it is cast to ``param_dtype`` and runs without autocast (the optimizer keeps float32
+   masters: ``fastgrpo.update.master_weights``).
 
 The order matters: FSDP's all-gather / reduce-scatter hooks must sit *outside* the checkpointed and compiled
 region, so that recomputation in backward does not all-gather again and dynamo does not trace collectives.
@@ -64,7 +66,7 @@ def _apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
 _HOST_BOUNDS_BACKENDS = ("sdpa_varlen", "torch_varlen")
 
 
-def _apply_compile(model: nn.Module, blocks: nn.ModuleList) -> None:
+def _apply_compile(model: nn.Module, blocks: nn.ModuleList, mode: str | None = None) -> None:
     # Per block, not the whole model: every block has the same graph, so one compilation serves all (dynamo passes
     # the parameters as inputs). fullgraph: a graph break would split the block and bring back the host dispatch
     # compiling is there to remove. dynamic=False: the packed rows are padded to a few token buckets
@@ -72,7 +74,7 @@ def _apply_compile(model: nn.Module, blocks: nn.ModuleList) -> None:
     if getattr(model.config, "_attn_implementation", None) in _HOST_BOUNDS_BACKENDS:
         model.set_attn_implementation("varlen_op")
     for block in blocks:
-        block.compile(fullgraph=True, dynamic=False)
+        block.compile(fullgraph=True, dynamic=False, mode=mode)
 
 
 def _sum_gradient_reduction(module: nn.Module) -> None:
@@ -158,14 +160,23 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
     fsdp = uses_fsdp(cfg, device, world_size)
     if cfg.cpu_offload and not fsdp:
         raise ValueError("parallel.cpu_offload needs FSDP: set parallel.fsdp=true (and, on CPU, world size > 1)")
+    if cfg.cuda_graphs and (device.type != "cuda" or fsdp):
+        raise ValueError("parallel.cuda_graphs needs one plain CUDA device (no FSDP2); set it to false here")
+    if cfg.master_weights and fsdp:
+        raise ValueError("parallel.master_weights applies to a plain module (one process, parallel.one_gpu=plain); "
+                         "FSDP2 keeps float32 shards and gathers them in param_dtype itself")
     tied = _tied(model)
     blocks = transformer_blocks(model)
     if not (fsdp and cfg.cpu_offload):
         model.to(device)  # fully_shard moves parameters itself; with offload they must stay on the host
+    if cfg.master_weights:  # compute weights in param_dtype; the optimizer keeps their float32 masters
+        model.to(_DTYPES[cfg.param_dtype])
     if cfg.activation_checkpointing:
         _apply_activation_checkpointing(blocks)
     if cfg.compile:
-        _apply_compile(model, blocks)
+        # parallel.cuda_graphs on CUDA: inductor's CUDA graph trees (per shape, one pool, warm-up) on the compiled
+        # blocks; without compile the update graphs the eager blocks (fastgrpo.update.cuda_graphs)
+        _apply_compile(model, blocks, mode="reduce-overhead" if cfg.cuda_graphs else None)
     if fsdp:
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
@@ -176,7 +187,7 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
     # Static shapes: what the step plan pads each packed row to (compiled blocks: one graph per bucket)
     model.token_buckets = list(cfg.token_buckets) or (AUTO_BUCKETS if cfg.compile else [])
     # One plain GPU: forwards run under autocast (packed_head_forward, the hf engine), float32 weights as masters.
-    model.autocast_dtype = autocast_dtype(cfg, device, world_size)
+    model.autocast_dtype = None if cfg.master_weights else autocast_dtype(cfg, device, world_size)
     # Bound to this instance so that FSDP's pre/post-forward hooks can wrap it like forward.
     model.packed_forward = types.MethodType(packed_head_forward, model)
     if torch.distributed.is_available():  # builds without distributed support have no torch.distributed.fsdp

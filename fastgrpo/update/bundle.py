@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.config import OptimConfig, ParallelConfig
-from fastgrpo.distributed.parallelize import parallelize_model
+from fastgrpo.distributed.parallelize import parallelize_model, transformer_blocks
 from fastgrpo.models.lora import trainable_parameters
+from fastgrpo.update.cuda_graphs import graph_blocks
 from fastgrpo.update.guard import NonFiniteGuard
 from fastgrpo.update.optim import build_adamw, build_scheduler
 
@@ -41,9 +42,11 @@ def build_trained(model: torch.nn.Module, *, parallel: ParallelConfig, optim: Op
     ``optim.lr``; optim's betas, weight decay and implementation), the warm-up / decay schedule of ``optim`` over
     ``total_steps`` optimizer updates, and a guard allowing ``optim.max_nonfinite_steps`` skips in a row."""
     model = parallelize_model(model, parallel, device=device, world_size=world_size)
+    if parallel.cuda_graphs and not parallel.compile:  # (compiled blocks are graphed by inductor: parallelize)
+        graph_blocks(transformer_blocks(model), parallel.token_buckets)
     # optim.implementation 'auto': fused on CUDA (one pass over the weights and moments per step), foreach on a CPU
     # (a handful of multi-tensor ops; torch's CPU default is a loop of several ops per parameter)
-    optimizer = build_adamw(trainable_parameters(model), optim, device, lr=lr)
+    optimizer = build_adamw(trainable_parameters(model), optim, device, lr=lr, master_weights=parallel.master_weights)
     scheduler = build_scheduler(optimizer, warmup_steps=optim.warmup_steps, total_steps=total_steps,
                                 schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio)
     return TrainedModel(model=model, optimizer=optimizer, scheduler=scheduler,

@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 
 from fastgrpo.config import OptimConfig
+from fastgrpo.update.master_weights import MasterAdamW
 
 __all__ = ["adamw_implementation", "build_adamw", "build_scheduler"]
 
@@ -30,9 +31,14 @@ def adamw_implementation(choice: str, device: torch.device | str) -> str:
 
 
 def build_adamw(params: Iterable[torch.nn.Parameter], o: OptimConfig, device: torch.device | str, *,
-                lr: float | None = None) -> torch.optim.AdamW:
-    """AdamW over ``params`` with ``o``'s betas and weight decay, at ``lr`` (default ``o.lr``)."""
+                lr: float | None = None, master_weights: bool = False) -> torch.optim.Optimizer:
+    """AdamW over ``params`` with ``o``'s betas and weight decay, at ``lr`` (default ``o.lr``); with
+    ``master_weights`` on float32 masters of the (bf16) ``params``
+    (:class:`fastgrpo.update.master_weights.MasterAdamW`)."""
     impl = adamw_implementation(o.implementation, device)
+    if master_weights:
+        return MasterAdamW(params, lr=o.lr if lr is None else lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
+                           implementation=impl)
     return torch.optim.AdamW(params, lr=o.lr if lr is None else lr, betas=tuple(o.betas),
                              weight_decay=o.weight_decay, foreach=impl == "foreach", fused=impl == "fused")
 

@@ -34,6 +34,7 @@ from fastgrpo.kernels import linear_logprobs
 from fastgrpo.models.packing import MicroBatch, pack, plan_microbatches, resolve_buckets, split_to_count
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update.guard import NonFiniteGuard
+from fastgrpo.update.master_weights import gradients_for_clipping
 
 __all__ = ["DEFAULT_MICROBATCH_TOKENS", "HeadLoss", "StepPlan", "gather_ints", "microbatch_tokens",
            "optimizer_update", "packed_logprobs", "plan_packed", "plan_step"]
@@ -146,7 +147,9 @@ def optimizer_update(model: torch.nn.Module, mbs: list[MicroBatch], head_loss: H
         metrics.total("loss" if role == "policy" else f"{role}/loss",
                       loss if loss_divisor == 1 else loss / loss_divisor)
         metrics.add_many(stats, float(mb.num_completion_tokens))  # one stack for all the head's statistics
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else 1e30)
+    # float32 master gradients when the optimizer keeps masters of bf16 weights (parallel.master_weights)
+    clipped = gradients_for_clipping(model, optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(clipped, max_grad_norm if max_grad_norm > 0 else 1e30)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
         grad_norm = grad_norm.full_tensor()
     metrics.set(f"{role}/grad_norm", grad_norm)

@@ -1,0 +1,136 @@
+"""Does a real pretrained model learn on a laptop CPU? configs/smollm2.yaml over seeds and a sign-flipped control.
+
+    python benchmarks/bench_real_model.py                          # 3 seeds + the control, side by side, 1 thread each
+    python benchmarks/bench_real_model.py --seeds 0 --no-control max_steps=5   # a quick look
+    python benchmarks/bench_real_model.py --report-only --out DIR  # the table of runs already in DIR
+
+Each run is ``python -m fastgrpo.train --config configs/smollm2.yaml seed=<s>`` plus any extra ``key=value``
+overrides, in its own process under --out; the control is seed 0 with the reward negated (``rewards.weights=[-1.0]``),
+which flips the sign of every group advantage exactly: if accuracy rose there too, the gain would come from exposure
+to the task, not from the policy gradient. The runs go side by side (``--parallel`` at a time, each with
+``--threads`` torch threads, OMP_NUM_THREADS), since one 135M-parameter run does not keep two cores busy.
+
+Reported per run, from its metrics.jsonl: held-out greedy accuracy before the first step (``eval.at_start``) and at
+the end (the config evaluates the whole held-out split), and the wall time of a step split into rollout (generation,
+rewards, advantages: ``time/rollout_s``) and update (forward, backward, optimizer: ``time/update_s``), median and
+range over the steps, and their sum over the run. Writes OUT/learning.md and OUT/learning.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "smollm2.yaml"
+
+
+def runs_of(seeds: list[int], control: bool) -> dict[str, list[str]]:
+    """Run name -> its overrides."""
+    out = {f"seed{s}": [f"seed={s}"] for s in seeds}
+    if control:
+        out["control"] = [f"seed={seeds[0]}", "rewards.weights=[-1.0]"]
+    return out
+
+
+def launch(runs: dict[str, list[str]], extra: list[str], *, out: Path, parallel: int, threads: int) -> None:
+    """Run every run to its end, ``parallel`` at a time; each writes OUT/<name>/ and OUT/<name>.log."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    pending, live = list(runs.items()), []
+    while pending or live:
+        while pending and len(live) < parallel:
+            name, overrides = pending.pop(0)
+            log = (out / f"{name}.log").open("w")
+            cmd = [sys.executable, "-m", "fastgrpo.train", "--config", str(CONFIG), f"output_dir={out}",
+                   f"name={name}", "log.progress=false", *overrides, *extra]
+            live.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+            print(f"[{name}] started: {' '.join(cmd[1:])}", file=sys.stderr)
+        time.sleep(5)
+        for item in [x for x in live if x[1].poll() is not None]:
+            name, proc, log = item
+            log.close()
+            live.remove(item)
+            print(f"[{name}] exit {proc.returncode}", file=sys.stderr)
+
+
+def summarize(folder: Path) -> dict:
+    """Before/after greedy accuracy and per-step timings of one run folder."""
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [r for r in records if "eval/greedy_acc" in r]
+    steps = [r for r in records if "time/rollout_s" in r]
+
+    def spread(key: str) -> list[float]:
+        values = [r[key] for r in steps]
+        return [statistics.median(values), min(values), max(values), sum(values)] if values else []
+
+    return {"before": evals[0]["eval/greedy_acc"] if evals and evals[0]["step"] == 0 else None,
+            "after": evals[-1]["eval/greedy_acc"] if evals and evals[-1]["step"] > 0 else None,
+            "steps": len(steps), "rollout_s": spread("time/rollout_s"), "update_s": spread("time/update_s"),
+            "train_reward_first_last": [steps[0]["reward/mean"], steps[-1]["reward/mean"]] if steps else []}
+
+
+def table(results: dict[str, dict]) -> str:
+    lines = ["| run | held-out greedy before | after | change (points) | steps | rollout s/step, median (range) | "
+             "update s/step, median (range) | rollout + update, whole run (min) |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        ro, up = r["rollout_s"], r["update_s"]
+        done = r["before"] is not None and r["after"] is not None
+        change = f"{100 * (r['after'] - r['before']):+.1f}" if done else "n/a"
+        fmt = (lambda x: f"{x[0]:.1f} ({x[1]:.1f}-{x[2]:.1f})" if x else "n/a")
+        lines.append(f"| {name} | {_pct(r['before'])} | {_pct(r['after'])} | {change} | {r['steps']} | {fmt(ro)} | "
+                     f"{fmt(up)} | {(ro[3] + up[3]) / 60:.1f} |" if ro and up else f"| {name} | n/a |")
+    seeds = [r for n, r in results.items()
+             if n.startswith("seed") and r["before"] is not None and r["after"] is not None]
+    if len(seeds) > 1:
+        gains = [100 * (r["after"] - r["before"]) for r in seeds]
+        lines.append(f"\nseeds: after {100 * statistics.mean(r['after'] for r in seeds):.1f}% +- "
+                     f"{100 * statistics.stdev(r['after'] for r in seeds):.1f} (mean +- sd), change "
+                     f"{statistics.mean(gains):+.1f} points ({', '.join(f'{g:+.1f}' for g in gains)})")
+    return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--no-control", action="store_true", help="skip the sign-flipped control run")
+    ap.add_argument("--parallel", type=int, default=4, help="runs at a time")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    ap.add_argument("--report-only", action="store_true", help="only read the runs already under --out")
+    ap.add_argument("--out", default="benchmarks/out/real_model")
+    ap.add_argument("overrides", nargs="*", help="extra key=value overrides of configs/smollm2.yaml for every run")
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    runs = runs_of(args.seeds, not args.no_control)
+    started = time.perf_counter()
+    if not args.report_only:
+        launch(runs, args.overrides, out=out, parallel=args.parallel, threads=args.threads)
+    results = {name: summarize(out / name) for name in runs if (out / name / "metrics.jsonl").is_file()}
+    # Runs started with eval.at_start=false (to spare the CPU) share the others' start: greedy decoding of the same
+    # model on the same held-out problems gives the same accuracy in every run.
+    starts = {r["before"] for r in results.values() if r["before"] is not None}
+    for r in results.values():
+        if r["before"] is None and len(starts) == 1:
+            r["before"] = next(iter(starts))
+    text = (f"{datetime.date.today()}, `python benchmarks/bench_real_model.py {' '.join(argv or sys.argv[1:])}`, "
+            f"{os.cpu_count()} CPUs, load average at the end {os.getloadavg()[0]:.1f}, wall "
+            f"{(time.perf_counter() - started) / 60:.0f} min\n\n{table(results)}\n")
+    (out / "learning.md").write_text(text)
+    (out / "learning.json").write_text(json.dumps(results, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

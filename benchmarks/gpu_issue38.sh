@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Issue 38's GPU call, inside one device call: the policy update with bf16 compute weights + float32 masters, static
+# shapes, compiled blocks and CUDA graphs, against the autocast default and against TRL 1.16's update.
+#   (a) pytest on CUDA: tests/test_cuda_graphs.py (graphed = eager, eager fallback), test_compile_blocks.py,
+#       test_master_weights.py, test_static_shapes.py (what skips or is CPU-only elsewhere runs here first)
+#   (b) bench_update_variants.py: Qwen2.5-0.5B shapes (random weights), works s8 (8 x (272 + 32)), s64
+#       (64 x (272 + 136)) and long (32 x (272 + 1024)); variants autocast, bf16-masters, +compile,
+#       +compile+graphs (inductor's CUDA graphs), +graphs (eager blocks graphed); update s, MFU, peak GiB, graph
+#       breaks, graphs compiled
+#   (c) bench_trl.py --update-only at 8 and 64 sequences and a long-completion batch (32 sequences, completions of
+#       ~1024 tokens): TRL's padded update against grpo_update (autocast default) on one fixed rollout batch
+#       (Countdown-like prompt lengths: the TRL ratio is read against (c)'s fastgrpo row, the variants' gain on (b))
+#
+#   bash benchmarks/gpu_issue38.sh                 # on the GPU machine; carry .whl/ (trl, accelerate, datasets, ...)
+#   SMOKE=1 bash benchmarks/gpu_issue38.sh         # CPU: the same steps at tiny shapes (checks the script itself)
+#
+# Results in ${OUT:-benchmarks/results}/: issue38_log.txt, issue38_steps.tsv (step, status, seconds, limit),
+# issue38_pytest.xml, update_variants.{json,md}, bench_trl_update_{8,64,long}.{json,md}. BUDGET_S (default 540) caps
+# everything; each step runs under `timeout` with its own limit, cut to what is left; under 20 s left: skipped.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT:-benchmarks/results}
+BUDGET_S=${BUDGET_S:-540}
+SMOKE=${SMOKE:-0}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT_DIR"
+STEPS="$OUT_DIR/issue38_steps.tsv"
+: > "$STEPS"
+exec > >(tee "$OUT_DIR/issue38_log.txt") 2>&1
+TEE_PID=$!
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+DEADLINE=$((SECONDS + BUDGET_S))
+status=0
+
+cap() {  # cap LIMIT_S: the step's own limit, or what is left of the budget when that is less
+  local left=$((DEADLINE - SECONDS))
+  echo $(( $1 < left ? $1 : left ))
+}
+step() {  # step NAME LIMIT_S command...: run under `timeout LIMIT_S`, one line in issue38_steps.tsv
+  local name=$1 limit=$2 t0=$SECONDS rc; shift 2
+  echo; echo "=== [$name] $* (limit $limit s)"
+  if [ "$limit" -lt 20 ]; then
+    echo "!!! [$name] skipped: $limit s left of the budget"; printf '%s\tskipped\t0\t%s\n' "$name" "$limit" >> "$STEPS"
+    status=1; return
+  fi
+  timeout -k 5 "$limit" "$@"
+  rc=$?
+  local what=ok
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then what=timeout; elif [ "$rc" -ne 0 ]; then what="failed (exit $rc)"; fi
+  [ "$what" = ok ] || status=1
+  echo "=== [$name] $what after $((SECONDS - t0)) s"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$what" $((SECONDS - t0)) "$limit" >> "$STEPS"
+}
+
+if [ "$SMOKE" = 1 ]; then
+  VARIANT_ARGS=(--smoke)
+  TRL_COMMON=(--shape tiny --completion-mean 20 --completion-cap 40 --repeats 1)
+  TRL_WORKS=("8:--sequences 8" "long:--sequences 8 --completion-mean 40 --completion-cap 40")
+  TESTS=(tests/test_cuda_graphs.py tests/test_master_weights.py)
+else
+  if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu_issue38.sh: no CUDA device visible (SMOKE=1 runs the steps at tiny shapes on the CPU)" >&2
+    exit 2
+  fi
+  source benchmarks/gpu_env.sh || exit 2  # the carried wheels (trl, ...) and this tree as fastgrpo
+  VARIANT_ARGS=(--shape qwen2.5-0.5b --works s64,s8,long --warmup 3 --steps 5)
+  TRL_COMMON=(--shape qwen2.5-0.5b --repeats 3)
+  TRL_WORKS=("8:--sequences 8" "64:--sequences 64" "long:--sequences 32 --completion-mean 1024 --completion-cap 1024")
+  TESTS=(tests/test_cuda_graphs.py tests/test_compile_blocks.py tests/test_master_weights.py tests/test_static_shapes.py)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+fi
+date -u +"date: %Y-%m-%dT%H:%MZ"
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+echo "command: BUDGET_S=$BUDGET_S SMOKE=$SMOKE bash benchmarks/gpu_issue38.sh"
+
+step pytest "$(cap 90)" "$PY" -m pytest -q -x "${TESTS[@]}" --junitxml "$OUT_DIR/issue38_pytest.xml" -p no:cacheprovider
+step variants "$(cap 300)" "$PY" benchmarks/bench_update_variants.py "${VARIANT_ARGS[@]}" --out "$OUT_DIR/update_variants"
+if "$PY" -c "import trl" 2>/dev/null; then
+  for work in "${TRL_WORKS[@]}"; do
+    name=${work%%:*}
+    L=$(cap 90)
+    # shellcheck disable=SC2086  # the work's arguments are words
+    step "trl_$name" "$L" "$PY" benchmarks/bench_trl.py --update-only "${TRL_COMMON[@]}" ${work#*:} \
+      --budget-s $((L > 60 ? L - 30 : 30)) --out "$OUT_DIR/bench_trl_update_$name"
+  done
+else
+  echo "trl is not importable: the TRL rows are not run (carry its wheels in .whl/, see benchmarks/run_gpu.sh)"
+  printf 'trl\tunavailable\t0\t0\n' >> "$STEPS"
+fi
+
+echo; echo "=== steps ($SECONDS s in all)"; cat "$STEPS"
+[ -f "$OUT_DIR/update_variants.md" ] && cat "$OUT_DIR/update_variants.md"
+for f in "$OUT_DIR"/bench_trl_update_*.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
+exec >&- 2>&-  # let tee finish the log before the call collects it
+wait "$TEE_PID" 2>/dev/null
+exit $status

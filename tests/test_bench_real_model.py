@@ -1,0 +1,55 @@
+"""The side-by-side benchmark's real-model work (benchmarks/peer_work.py, work 'smollm2'): the named source resolves to
+its converted folder, and the no-EOS edit holds on a pretrained model, whose residual stream is far larger than a
+random model's (the edit without the final norm's gain left EOS a probability of 0.9)."""
+
+import copy
+import json
+
+import torch
+
+from benchmarks import peer_work
+
+
+def test_the_real_model_work_names_a_source_that_resolves_to_its_folder(smollm2_path):
+    assert peer_work.WORKS["smollm2"].model == "smollm2-135m-instruct"
+    assert peer_work.model_source("smollm2-135m-instruct") == smollm2_path
+
+
+def test_suppress_eos_holds_on_the_pretrained_model_only_with_the_norm_gain(smollm2):
+    model, tok = smollm2
+    eos = [tok.eos_token_id]
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 29 * 8? Answer with just the number."}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok(text)["input_ids"] + tok("232", add_special_tokens=False)["input_ids"]])  # [1, T]
+
+    def eos_probability(edit):
+        net = copy.deepcopy(model)  # the session's shared model stays as loaded
+        with torch.no_grad():
+            edit(net)
+            probs = net(input_ids=ids).logits.softmax(-1)[0, :, eos]  # [T, len(eos)]
+            # positions whose input is an EOS (the chat template's <|im_end|>) carry -margin: generation never feeds one
+            return probs[~torch.isin(ids[0], torch.tensor(eos))].max().item()
+
+    assert eos_probability(lambda net: None) > 0.1  # after the answer the model ends its turn
+    assert eos_probability(lambda net: peer_work.suppress_eos(net, eos)) > 1e-3  # a random model's edit is not enough
+    assert eos_probability(lambda net: peer_work.suppress_eos(
+        net, eos, final_norm_gain=peer_work.PRETRAINED_NORM_GAIN)) < 1e-9
+
+
+def test_learning_report_reads_start_end_and_step_times_from_metrics(tmp_path):
+    from benchmarks import bench_real_model
+
+    def write(name, records):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    step = {"time/rollout_s": 2.0, "time/update_s": 4.0, "reward/mean": 0.1}
+    write("seed0", [{"step": 0, "eval/greedy_acc": 0.25}, {"step": 1, **step},
+                    {"step": 2, **step, "time/update_s": 8.0, "eval/greedy_acc": 0.5}])
+    write("control", [{"step": 1, **step}, {"step": 2, **step, "eval/greedy_acc": 0.125}])  # no start evaluation
+    results = {n: bench_real_model.summarize(tmp_path / n) for n in ("seed0", "control")}
+    assert results["seed0"]["before"] == 0.25 and results["seed0"]["after"] == 0.5
+    assert results["seed0"]["update_s"] == [6.0, 4.0, 8.0, 12.0]  # median, min, max, sum
+    assert results["control"]["before"] is None and results["control"]["after"] == 0.125
+    text = bench_real_model.table(results)
+    assert "| seed0 | 25.0% | 50.0% | +25.0 | 2 |" in text
