@@ -6,12 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from fastgrpo.algorithms.sft import sft_update
 from fastgrpo.config import ParallelConfig
 from fastgrpo.distributed.parallelize import parallelize_model
 from fastgrpo.kernels import linear_grpo_loss
 from fastgrpo.models.attention import register_with_transformers
 from fastgrpo.models.packing import AUTO_BUCKETS, pack, plan_microbatches, resolve_buckets, segment_capacity
 from fastgrpo.models.tiny import build_tiny
+from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update.step import plan_step
 
 
@@ -102,3 +104,17 @@ def test_the_step_plan_pads_to_the_models_buckets(rng):
     plan = plan_step(prompts, completions, 64, device="cpu", buckets=[16, 32, 64])
     assert {mb.num_tokens for mb in plan.mbs} <= {16, 32, 64}
     assert sum(mb.num_completion_tokens for mb in plan.mbs) == sum(map(len, completions))
+
+
+def test_throughput_counts_the_real_tokens_of_padded_rows(rng):
+    model = AutoModelForCausalLM.from_pretrained(build_tiny()).train()
+    model = parallelize_model(model, ParallelConfig(token_buckets=[64]), device="cpu", world_size=1)
+    prompts, completions = _batch(rng, n=3)  # at most 3 x 19 tokens: one row, always padded
+    metrics = StepMetrics()
+    mbs = sft_update(model, prompts, completions, normalization="token", max_tokens_per_microbatch=64,
+                     head_backend="torch", optimizer=torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=0.0,
+                     metrics=metrics, device="cpu")
+    assert {mb.num_tokens for mb in mbs} == {64}  # padded to the model's bucket: more slots than real tokens
+    assert sum(mb.num_tokens for mb in mbs) > sum(mb.num_real_tokens for mb in mbs)
+    real = sum(len(p) + len(c) for p, c in zip(prompts, completions))
+    assert metrics.reduce()["perf/update_tokens"] == real

@@ -135,7 +135,7 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
     for _ in range(grpo.num_iterations):
         optimizer_update(model, mbs, head_loss, optimizer=optimizer, scheduler=scheduler,
                          max_grad_norm=max_grad_norm, metrics=metrics, loss_divisor=grpo.num_iterations, guard=guard)
-    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_tokens for mb in mbs))))
+    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_real_tokens for mb in mbs))))
     if keep is not None:
         metrics.moments((~keep).float(), "policy/masked_seq_frac")
     if batch.sil_mask is not None:

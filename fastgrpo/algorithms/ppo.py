@@ -233,7 +233,7 @@ def ppo_update(policy: torch.nn.Module, critic: torch.nn.Module, batch: PPOBatch
                                                       w=w * ppo.vf_coef, cliprange=ppo.cliprange_value),
                              optimizer=critic_optimizer, scheduler=critic_scheduler, max_grad_norm=max_grad_norm,
                              metrics=metrics, loss_divisor=updates, guard=critic_guard, role="critic")
-    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_tokens for mb in plan.mbs) * updates)))
+    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_real_tokens for mb in plan.mbs) * updates)))
 
 
 def _value_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor, *, old_values: torch.Tensor,

@@ -59,5 +59,5 @@ def sft_update(model: torch.nn.Module, prompt_ids: list[list[int]], completion_i
     model.train()
     optimizer_update(model, mbs, head_loss, optimizer=optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm,
                      metrics=metrics, guard=guard)
-    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_tokens for mb in mbs))))
+    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_real_tokens for mb in mbs))))
     return mbs

@@ -208,6 +208,11 @@ class MicroBatch:
     """Lengths of the dummy segments that pad the row to its token bucket (empty: not padded)."""
 
     @property
+    def num_real_tokens(self) -> int:
+        """Tokens of the row without its bucket padding (what throughput counts; 1 for a dummy row)."""
+        return self.num_tokens - sum(self.pad_lengths)
+
+    @property
     def segment_lengths(self) -> list[int]:
         """Every segment of the row in order: the real sequences, then the padding's dummy segments (a dummy row
         is one segment of its tokens); they add up to ``num_tokens``."""

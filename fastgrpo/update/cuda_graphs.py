@@ -71,14 +71,22 @@ class BlockGraphs:
         pool = torch.cuda.graph_pool_handle()
         device = next(self.blocks[0].parameters()).device
         for bucket in self.buckets:
-            cu = torch.full((segment_capacity(bucket),), bucket, dtype=torch.int32, device=device)
-            cu[0] = 0
-            rope = torch.ones(1, bucket, head_dim, device=device, dtype=dtype)
             calls = tuple(_BlockCall(b, f, bucket) for b, f in zip(self.blocks, self.forwards))
-            samples = tuple((torch.randn(1, bucket, hidden_size, device=device, dtype=dtype, requires_grad=True),
-                             rope, rope, cu) for _ in calls)
+            # The sample inputs become the graphs' static input buffers (a replay copies the real inputs into
+            # them), so no two inputs may share one: fresh tensors per input and per block.
+            samples = tuple(self._samples(bucket, hidden_size, head_dim, dtype, device) for _ in calls)
             self.graphed[bucket] = torch.cuda.make_graphed_callables(
                 calls, samples, num_warmup_iters=self.warmup_iters, pool=pool)
+
+    @staticmethod
+    def _samples(bucket: int, hidden_size: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(hidden [1, T, H], cos [1, T, d], sin [1, T, d], cu_seqlens [C]) of one row of ``bucket`` tokens."""
+        cu = torch.full((segment_capacity(bucket),), bucket, dtype=torch.int32, device=device)
+        cu[0] = 0
+        return (torch.randn(1, bucket, hidden_size, device=device, dtype=dtype, requires_grad=True),
+                torch.ones(1, bucket, head_dim, device=device, dtype=dtype),
+                torch.zeros(1, bucket, head_dim, device=device, dtype=dtype), cu)
 
     def run(self, index: int, hidden_states: torch.Tensor, *args, position_embeddings: Any = None, **kwargs):
         """Block ``index``'s forward: from its graph when the row is a bucket (module doc), else eager."""
