@@ -13,6 +13,8 @@ setup(
     # (tests/test_packaging.py builds the wheel, installs it alone and runs it from outside the repo).
     packages=[*find_packages(include=["fastgrpo", "fastgrpo.*"]),
               *("fastgrpo." + p for p in find_packages(include=["kernels", "kernels.*"]))],
+    # kernels/ lives at the top level (so other trainers can vendor it) but imports as fastgrpo.kernels:
+    # the name `kernels` alone belongs to another PyPI package.
     package_dir={"fastgrpo.kernels": "kernels"},
     package_data={"fastgrpo": ["py.typed"]},
     # Ranges, not pins: the library must run on the torch a GPU machine already has (2.11, say).
