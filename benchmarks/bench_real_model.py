@@ -32,11 +32,19 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smollm2.yaml"
 
 
-def runs_of(seeds: list[int], control: bool) -> dict[str, list[str]]:
+def negated_weights(extra: list[str] = ()) -> str:
+    """The control's ``rewards.weights`` override: every reward function of the config, negated."""
+    from fastgrpo.config import load_config
+
+    funcs = load_config(str(CONFIG), list(extra)).rewards.funcs
+    return "rewards.weights=[" + ",".join("-1.0" for _ in funcs) + "]"
+
+
+def runs_of(seeds: list[int], control: bool, extra: list[str] = ()) -> dict[str, list[str]]:
     """Run name -> its overrides."""
     out = {f"seed{s}": [f"seed={s}"] for s in seeds}
     if control:
-        out["control"] = [f"seed={seeds[0]}", "rewards.weights=[-1.0]"]
+        out["control"] = [f"seed={seeds[0]}", negated_weights(extra)]
     return out
 
 
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    runs = runs_of(args.seeds, not args.no_control)
+    runs = runs_of(args.seeds, not args.no_control, args.overrides)
     started = time.perf_counter()
     if not args.report_only:
         launch(runs, args.overrides, out=out, parallel=args.parallel, threads=args.threads)

@@ -53,3 +53,13 @@ def test_learning_report_reads_start_end_and_step_times_from_metrics(tmp_path):
     assert results["control"]["before"] is None and results["control"]["after"] == 0.125
     text = bench_real_model.table(results)
     assert "| seed0 | 25.0% | 50.0% | +25.0 | 2 |" in text
+
+
+def test_the_control_negates_every_reward_function_of_the_config():
+    from benchmarks import bench_real_model
+    from fastgrpo.config import load_config
+
+    funcs = load_config(str(bench_real_model.CONFIG), []).rewards.funcs
+    control = dict(bench_real_model.runs_of([3], True))["control"]
+    assert control == ["seed=3", "rewards.weights=[" + ",".join(["-1.0"] * len(funcs)) + "]"]
+    load_config(str(bench_real_model.CONFIG), control)  # a weight per function: the config accepts it
