@@ -14,40 +14,9 @@
 # Results in ${OUT:-benchmarks/results}/: issue29_log.txt, issue29_steps.tsv (step, status, seconds, limit),
 # bench_trl_update.{json,md}, bench_kernels_issue29.csv. BUDGET_S (default 420) caps everything; each step runs
 # under `timeout` with its own limit, cut to what is left of the budget; a step with under 20 s left is skipped.
-set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR=${OUT:-benchmarks/results}
-BUDGET_S=${BUDGET_S:-420}
-SMOKE=${SMOKE:-0}
-PY=${PYTHON:-python3}
-mkdir -p "$OUT_DIR"
-STEPS="$OUT_DIR/issue29_steps.tsv"
-: > "$STEPS"
-exec > >(tee "$OUT_DIR/issue29_log.txt") 2>&1
-TEE_PID=$!
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-DEADLINE=$((SECONDS + BUDGET_S))
-status=0
-
-cap() {  # cap LIMIT_S: the step's own limit, or what is left of the budget when that is less
-  local left=$((DEADLINE - SECONDS))
-  echo $(( $1 < left ? $1 : left ))
-}
-step() {  # step NAME LIMIT_S command...: run under `timeout LIMIT_S`, one line in issue29_steps.tsv
-  local name=$1 limit=$2 t0=$SECONDS rc; shift 2
-  echo; echo "=== [$name] $* (limit $limit s)"
-  if [ "$limit" -lt 20 ]; then
-    echo "!!! [$name] skipped: $limit s left of the budget"; printf '%s\tskipped\t0\t%s\n' "$name" "$limit" >> "$STEPS"
-    status=1; return
-  fi
-  timeout -k 5 "$limit" "$@"
-  rc=$?
-  local what=ok
-  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then what=timeout; elif [ "$rc" -ne 0 ]; then what="failed (exit $rc)"; fi
-  [ "$what" = ok ] || status=1
-  echo "=== [$name] $what after $((SECONDS - t0)) s"
-  printf '%s\t%s\t%s\t%s\n' "$name" "$what" $((SECONDS - t0)) "$limit" >> "$STEPS"
-}
+TAG=issue29 BUDGET_DEFAULT=420
+source benchmarks/gpu_steps.sh
 
 if [ "$SMOKE" = 1 ]; then
   TRL_ARGS=(--shape tiny --sequences 16 --completion-mean 20 --completion-cap 40 --repeats 2)
