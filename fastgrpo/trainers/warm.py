@@ -58,26 +58,24 @@ _BUILD_THREADS = 2
 COUNTDOWN_DATA = ["data.source=countdown", "data.template=compact", "data.min_numbers=3", "data.max_numbers=3",
                   "data.max_value=9", "data.seed=0", "data.num_eval=256"]
 
+# What every Countdown warm recipe shares: CPU float32, the demo's problems, 300 SFT steps on a cosine schedule. (The
+# cache key hashes the resolved recipe, not this list, so sharing it changes no key.)
+_COUNTDOWN_SFT = ["model.dtype=float32", "device=cpu", "seed=1", *COUNTDOWN_DATA, "data.num_train=1800",
+                  "sft.solution=random", "sft.normalization=token", "max_steps=300", "optim.schedule=cosine",
+                  "optim.warmup_steps=20", "eval.every=-1", "checkpoint.every=100", "log.report_to=[jsonl]"]
+
 WARM_RECIPES: dict[str, list[str]] = {
     "countdown": [
-        "model.name_or_path=tiny:medium", "model.dtype=float32", "device=cpu", "seed=1",
-        *COUNTDOWN_DATA, "data.num_train=1800",
-        "sft.trace=answer", "sft.solution=random", "sft.batch_size=64", "sft.max_tokens_per_microbatch=512",
-        "sft.normalization=token",
-        "max_steps=300", "optim.lr=2e-3", "optim.schedule=cosine", "optim.warmup_steps=20",
-        "eval.every=-1", "checkpoint.every=100", "log.report_to=[jsonl]",
+        "model.name_or_path=tiny:medium", *_COUNTDOWN_SFT,
+        "sft.trace=answer", "sft.batch_size=64", "sft.max_tokens_per_microbatch=512", "optim.lr=2e-3",
     ],
     # tiny:countdown-tools (configs/tiny-tools.yaml): tiny:countdown (a staged start: it already writes equations from
     # the problem's numbers), then traces on the same problems that call the calculator tool (sft.trace=tool: sometimes
     # a miss first, then a solution, each with the tool's answer, then the equation). From tiny:medium, the same traces
     # taught the call syntax but not the numbers: benchmarks/RESULTS.md, "Multi-turn tools demo".
     "countdown-tools": [
-        "model.name_or_path=tiny:countdown", "model.dtype=float32", "device=cpu", "seed=1",
-        *COUNTDOWN_DATA, "data.num_train=1800",
-        "sft.trace=tool", "sft.solution=random", "sft.batch_size=32", "sft.max_tokens_per_microbatch=2048",
-        "sft.normalization=token",
-        "max_steps=300", "optim.lr=1e-3", "optim.schedule=cosine", "optim.warmup_steps=20",
-        "eval.every=-1", "checkpoint.every=100", "log.report_to=[jsonl]",
+        "model.name_or_path=tiny:countdown", *_COUNTDOWN_SFT,
+        "sft.trace=tool", "sft.batch_size=32", "sft.max_tokens_per_microbatch=2048", "optim.lr=1e-3",
     ],
 }
 """Warm model name (``tiny:<name>``) -> ``fastgrpo.sft`` overrides of its recipe."""
