@@ -15,11 +15,13 @@ broken line elsewhere is an error naming the file and line. The PNG is written a
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
-import os
 import sys
 from pathlib import Path
+
+from fastgrpo.runtime.files import write_atomic
 
 _BEST_OF = "eval/best_of_"
 # panel title -> the series it draws (prefix patterns end in "/"; "*" stands for a reward function's name)
@@ -167,12 +169,11 @@ def plot_run(run_dir: Path, keys: list[str] | None = None, out: Path | None = No
     fig.suptitle(run_dir.resolve().name)
     fig.tight_layout()
     out = Path(out) if out is not None else run_dir / "metrics.png"
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    png = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=100, format="png")
-        os.replace(tmp, out)
+        fig.savefig(png, dpi=100, format="png")
+        write_atomic(out, png.getvalue())
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise PlotError(f"cannot write {out}: {e.strerror or e}; pass --out to write the plot elsewhere") from None
     finally:
         plt.close(fig)

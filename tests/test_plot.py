@@ -58,7 +58,7 @@ def test_a_torn_last_line_is_skipped_and_a_broken_middle_line_named(tmp_path, ca
 
 
 def test_an_unwritable_run_folder_is_one_line_and_out_writes_elsewhere(tmp_path, monkeypatch, capsys):
-    import fastgrpo.plot as plot_mod
+    import fastgrpo.runtime.files as files_mod  # the atomic writer the plot uses
 
     _write(tmp_path, [{"step": s, "reward/mean": s / 10} for s in range(1, 4)])
 
@@ -66,7 +66,7 @@ def test_an_unwritable_run_folder_is_one_line_and_out_writes_elsewhere(tmp_path,
         raise PermissionError(13, "Permission denied", str(dst))
 
     with monkeypatch.context() as m:  # root ignores a read-only mode, so the rename is refused instead
-        m.setattr(plot_mod.os, "replace", refuse)
+        m.setattr(files_mod.os, "replace", refuse)
         assert main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Permission denied" in err and "--out" in err

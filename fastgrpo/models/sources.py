@@ -41,6 +41,7 @@ from pathlib import Path
 
 from fastgrpo.config import ConfigError
 from fastgrpo.models.tiny import tiny_cache_root
+from fastgrpo.runtime.files import write_atomic
 
 __all__ = ["GGUFError", "PACKAGED_GGUF", "PackagedGGUF", "check_gguf", "convert_gguf", "gguf_folder",
            "gguf_key_info", "is_converted", "packaged_gguf_path"]
@@ -252,9 +253,7 @@ def convert_gguf(path: str | Path, *, cache_dir: str | Path | None = None) -> Pa
         try:
             _write_folder(path, work)
             info = {"source": str(path), **gguf_key_info(path), "seconds": round(time.perf_counter() - start, 1)}
-            tmp = work / f".{MARKER}.tmp"
-            tmp.write_text(json.dumps(info, indent=2) + "\n")
-            os.replace(tmp, work / MARKER)
+            write_atomic(work / MARKER, json.dumps(info, indent=2) + "\n")
             os.chmod(work, 0o755)  # mkdtemp makes it private (and some writers their files); the cache may be shared
             for f in work.iterdir():
                 os.chmod(f, 0o644)
