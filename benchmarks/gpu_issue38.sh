@@ -32,7 +32,7 @@ else
     exit 2
   fi
   source benchmarks/gpu_env.sh || exit 2  # the carried wheels (trl, ...) and this tree as fastgrpo
-  VARIANT_ARGS=(--shape qwen2.5-0.5b --works s64,s8,long --warmup 3 --steps 5)
+  VARIANT_ARGS=(--shape qwen2.5-0.5b --works "${WORKS:-s8,s64,long}" --warmup 3 --steps 5)
   TRL_COMMON=(--shape qwen2.5-0.5b --repeats 3)
   TRL_WORKS=("8:--sequences 8" "64:--sequences 64" "long:--sequences 32 --completion-mean 1024 --completion-cap 1024")
   TESTS=(tests/test_cuda_graphs.py tests/test_compile_blocks.py tests/test_master_weights.py tests/test_static_shapes.py)
@@ -43,14 +43,20 @@ date -u +"date: %Y-%m-%dT%H:%MZ"
 echo "command: BUDGET_S=$BUDGET_S SMOKE=$SMOKE bash benchmarks/gpu_issue38.sh"
 
 step pytest "$(cap 90)" "$PY" -m pytest -q -x "${TESTS[@]}" --junitxml "$OUT_DIR/issue38_pytest.xml" -p no:cacheprovider
+trl_step() {  # trl_step "NAME:ARGS": TRL's update against grpo_update on one fixed batch
+  local work=$1 name=${1%%:*} L
+  L=$(cap 90)
+  # shellcheck disable=SC2086  # the work's arguments are words
+  step "trl_$name" "$L" "$PY" benchmarks/bench_trl.py --update-only "${TRL_COMMON[@]}" ${work#*:} \
+    --budget-s $((L > 60 ? L - 30 : 30)) --out "$OUT_DIR/bench_trl_update_$name"
+}
+HAVE_TRL=0; "$PY" -c "import trl" 2>/dev/null && HAVE_TRL=1
+# the small batch first (the host-bound case this issue is about), then the variants, then the larger batches
+[ "$HAVE_TRL" = 1 ] && trl_step "${TRL_WORKS[0]}"
 step variants "$(cap 300)" "$PY" benchmarks/bench_update_variants.py "${VARIANT_ARGS[@]}" --out "$OUT_DIR/update_variants"
-if "$PY" -c "import trl" 2>/dev/null; then
-  for work in "${TRL_WORKS[@]}"; do
-    name=${work%%:*}
-    L=$(cap 90)
-    # shellcheck disable=SC2086  # the work's arguments are words
-    step "trl_$name" "$L" "$PY" benchmarks/bench_trl.py --update-only "${TRL_COMMON[@]}" ${work#*:} \
-      --budget-s $((L > 60 ? L - 30 : 30)) --out "$OUT_DIR/bench_trl_update_$name"
+if [ "$HAVE_TRL" = 1 ]; then
+  for work in "${TRL_WORKS[@]:1}"; do
+    trl_step "$work"
   done
 else
   echo "trl is not importable: the TRL rows are not run (carry its wheels in .whl/, see benchmarks/run_gpu.sh)"

@@ -70,6 +70,7 @@ def _run(args: argparse.Namespace, *, prog: str, cls: type, make_trainer: Callab
         return 2
 
     fdist.init_distributed(cfg.device)
+    ended_normally = False
     try:
         try:
             trainer = make_trainer(cfg)
@@ -91,6 +92,7 @@ def _run(args: argparse.Namespace, *, prog: str, cls: type, make_trainer: Callab
         if fdist.get_rank() == 0 and record:
             summary = {k: round(v, 4) for k, v in record.items() if k.startswith(summary_prefixes)}
             print(f"[fastgrpo] {done}: step {int(record['step'])} {summary} -> {cfg.run_dir}", flush=True)
+        ended_normally = True
     finally:
-        fdist.destroy_distributed()
+        fdist.destroy_distributed(barrier=ended_normally)
     return 0

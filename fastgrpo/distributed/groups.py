@@ -134,6 +134,15 @@ def all_reduce_int(value: int, op: str = "max", *, device: torch.device | str = 
     return int(all_reduce_(t, op).item())
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(*, barrier: bool = True) -> None:
+    """Tear the process group down, once every rank is here when ``barrier`` (a run that ended normally).
+
+    The barrier keeps a rank that finished first from closing its gloo connections while a peer is still in (or
+    entering) its last collective: on the CPU that races the peer's gloo threads, and the process dies at exit with
+    "terminate called without an active exception" after its work is done (seen in CI, 2026-11-27). A run that
+    ends in an error skips it: a peer that died would leave it waiting forever.
+    """
     if is_distributed():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
