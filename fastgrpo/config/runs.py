@@ -35,6 +35,7 @@ RESUMABLE_KEYS = (
     "parallel.compile", "parallel.token_buckets", "parallel.cuda_graphs",
     "model.attn_implementation", "optim.max_nonfinite_steps", "optim.implementation", "rewards.sandbox",
     "rewards.num_workers", "rewards.timeout_s", "rollout.env.num_workers", "rollout.env.timeout_s", "rollout.engine", "rollout.hf.",
+    "rollout.async_threads", "rollout.async_timeout_s",
     "rollout.vllm.", "grpo.max_tokens_per_microbatch",
     "grpo.head_backend", "sft.max_tokens_per_microbatch", "sft.head_backend",
 )
@@ -112,6 +113,7 @@ class RunConfig:
         "learning_rate": "lr", "lr_scheduler_type": "schedule", "r": "rank", "lora_r": "rank", "lora_rank": "rank",
         "lora_alpha": "alpha", "lora_dropout": "dropout", "model_name_or_path": "name_or_path",
         "gradient_checkpointing": "activation_checkpointing", "reward_funcs": "funcs", "reward_weights": "weights",
+        "async": "asynchronous",
     }
     """Other trainers' names (TRL, peft) -> the last part of ours: an unknown key that ends with one is pointed
     to the key that ends with the other (a hint only; the config itself accepts one spelling)."""
@@ -152,7 +154,25 @@ class TrainConfig(RunConfig):
         check(algorithm.multi_turn or not self.rollout.env.enabled, "rollout.env",
               f"multi-turn rollouts do not train with algorithm {self.algorithm} (use grpo)")
         algorithm.check_config(self)  # the settings the algorithm does not serve, each naming its field
+        if self.rollout.asynchronous:
+            check_async(self)
         return self
+
+
+def check_async(cfg: TrainConfig) -> None:
+    """rollout.asynchronous: the combinations it serves so far (docs/ASYNC.md); each other one is refused here,
+    naming its field, rather than half-working."""
+    r = cfg.rollout
+    check(r.engine == "hf", "rollout.engine", f"rollout.asynchronous generates with the 'hf' engine only for now, got "
+          f"{r.engine!r} (vLLM on its own GPUs is designed in docs/ASYNC.md, not built)")
+    check(not r.env.enabled, "rollout.env", "multi-turn rollouts (tools) are not served by rollout.asynchronous yet")
+    check(cfg.algorithm == "grpo", "algorithm", f"rollout.asynchronous serves algorithm grpo only, got "
+          f"{cfg.algorithm!r}")
+    check(r.importance_sampling_cap is not None, "rollout.importance_sampling_cap",
+          "rollout.asynchronous trains on batches sampled by older weights: set the truncated importance-sampling "
+          "cap that corrects them (e.g. 2.0)")
+    check(cfg.device != "cuda", "device", "rollout.asynchronous runs on the CPU for now (the GPU design is in "
+          "docs/ASYNC.md); use device=cpu")
 
 
 def check_run_config(cfg: Any, *, head_backend_field: str, sequence_level: bool = False) -> Any:

@@ -291,8 +291,26 @@ class RolloutConfig:
     max_completion_length bounds the whole trajectory after the prompt: model and environment tokens."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """The environment of multi-turn rollouts (fastgrpo.environments)."""
+    asynchronous: bool = False
+    """Generate the next steps' batches in a worker process while this step trains (docs/ASYNC.md): the batch of
+    step k is sampled from the weights of step k - max_staleness (the first ones from the start or resume weights),
+    corrected by the truncated importance weights of rollout.importance_sampling_cap (required). 'hf' engine, one
+    process, CPU, single-turn GRPO for now. ('async' is a Python keyword, hence the name.)"""
+    max_staleness: int = 1
+    """rollout.asynchronous: optimizer steps (training steps) a batch's weights may lag the policy it trains; also
+    the batches in flight. A batch older than this is refused (an error, never trained on)."""
+    async_threads: int | None = None
+    """rollout.asynchronous on a CPU: torch threads of the generation worker; the trainer keeps the rest of the
+    cores (at least 1). None = half the cores (at least 1)."""
+    async_timeout_s: float = 600.0
+    """rollout.asynchronous: most seconds the trainer waits for one batch from the worker (its start included);
+    then the worker is stopped and the run saves a checkpoint and stops with a one-line error."""
 
     def validate(self, p: str) -> None:
+        check(self.max_staleness >= 1, f"{p}.max_staleness", f"must be >= 1, got {self.max_staleness}")
+        check(self.async_threads is None or self.async_threads >= 1, f"{p}.async_threads",
+              f"must be >= 1 or null, got {self.async_threads}")
+        check(self.async_timeout_s > 0, f"{p}.async_timeout_s", f"must be > 0, got {self.async_timeout_s}")
         check(self.max_turns >= 1, f"{p}.max_turns", f"must be >= 1, got {self.max_turns}")
         check(self.max_turns == 1 or self.env.enabled, f"{p}.max_turns",
               f"more than one turn needs an environment to answer the model: set {p}.env.name")

@@ -8,6 +8,8 @@ A "step" is one rollout batch. With ``grpo.num_iterations = mu > 1`` the batch i
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fastgrpo.algorithms.interface import ModelSetup, StepInputs
@@ -31,6 +33,7 @@ from fastgrpo.update.microbatch import auto_microbatch_tokens
 from fastgrpo.models.loading import load_model, load_tokenizer, resolve_model_path
 from fastgrpo.rewards import RewardRunner, check_reward_columns
 from fastgrpo.rollout import EngineSetup, RolloutEngine, SamplingParams, build_engine
+from fastgrpo.rollout.async_worker import AsyncRollout, Batch, RolloutWorkerError, split_threads
 from fastgrpo.algorithms.sampling import dynamic_sample
 
 
@@ -42,6 +45,7 @@ class Trainer(TrainingLoop):
     """
 
     progress_name = "grpo"
+    resumable_errors = (RolloutWorkerError,)
 
     @closes_on_error
     def __init__(self, cfg: TrainConfig, engine: RolloutEngine | None = None) -> None:
@@ -90,6 +94,10 @@ class Trainer(TrainingLoop):
                 prompt_token_bound=self.prompt_token_bound))
         self.engine = engine
         self.engine.sync_from(self.model)  # the policy may differ from the files the engine loaded (resume)
+        self.async_rollout: AsyncRollout | None = None
+        self._async_batch: Batch | None = None  # this step's batch from the worker (rollout.asynchronous)
+        if cfg.rollout.asynchronous:
+            self._start_async()
 
     def _init_extras(self) -> None:
         """The models the algorithm trains besides the policy (``Algorithm.extra_models``: PPO's critic), each with its
@@ -103,6 +111,79 @@ class Trainer(TrainingLoop):
 
     def checkpoint_extras(self) -> dict:
         return {name: bundle.checkpoint_entry() for name, bundle in getattr(self, "extras", {}).items()}
+
+    # ------------------------------------------------------------------------------------------------ async rollout
+
+    def _start_async(self) -> None:
+        """rollout.asynchronous: split the cores, start the generation worker, put back the batches a checkpoint
+        saved, and request the first ones (docs/ASYNC.md has the schedule)."""
+        r = self.cfg.rollout
+        if self.world_size > 1:
+            raise ValueError(f"rollout.asynchronous: one process only for now, this launch has {self.world_size} "
+                             "ranks (set rollout.asynchronous=false)")
+        if self.device.type != "cpu":
+            raise ValueError(f"rollout.asynchronous runs on the CPU for now, the device is {self.device.type} "
+                             "(docs/ASYNC.md has the GPU design); set device=cpu or rollout.asynchronous=false")
+        worker_threads, trainer_threads = split_threads(r.async_threads)
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(trainer_threads)
+        model_cfg = dataclasses.replace(self.cfg.model, name_or_path=resolve_model_path(self.cfg.model,
+                                                                                        seed=self.cfg.seed),
+                                        gguf_file=None)
+        self.async_rollout = AsyncRollout(
+            self.model, model_cfg=model_cfg, lora=self.cfg.model.lora if self.cfg.model.lora.enabled else None,
+            hf=r.hf, seed=self.cfg.seed, threads=worker_threads, max_staleness=r.max_staleness,
+            timeout_s=r.async_timeout_s)
+        self._async_next = self.step  # the next batch to request
+        self.async_rollout.push(self.model, self.step)
+        saved = [Batch.from_state(b) for b in getattr(self, "_async_saved", []) if b["batch"] >= self.step]
+        for batch in saved:  # in step order, from self.step on
+            if batch.batch != self._async_next:
+                break
+            if batch.completions is not None:  # came back before the checkpoint: trained on as it is
+                self.async_rollout.restore(batch)
+            else:  # lost (the worker failed): the same prompts and seed, from the weights of this resume
+                self._async_submit(dataclasses.replace(batch, version=self.step))
+            self._async_next += 1
+        self._async_fill(self.step + r.max_staleness - 1)
+
+    def _async_submit(self, batch: Batch) -> None:
+        _, ids = self.prompts(batch.indices, self.train_rows)
+        self.async_rollout.push(self.model, batch.version)
+        self.async_rollout.submit(batch, ids, self.cfg.grpo.num_generations, self._sampling(batch.seed))
+
+    def _async_fill(self, upto: int) -> None:
+        """Request the batches of steps up to ``upto`` (below max_steps) not yet requested, from the weights of
+        now: step k's batch is requested at the start of step k - max_staleness."""
+        while self._async_next <= min(upto, self.cfg.max_steps - 1):
+            k = self._async_next
+            self._async_submit(Batch(batch=k, indices=self.sampler.next_batch(self.cfg.grpo.prompts_per_step),
+                                     seed=self._round_seed(k, 0), version=self.step))
+            self._async_next += 1
+
+    def _async_take(self, metrics: StepMetrics) -> None:
+        """This step's batch from the worker (checked: version, weights, staleness), then the next request."""
+        with Timer() as t:
+            self._async_batch = self.async_rollout.take(self.step)
+        self._async_fill(self.step + self.cfg.rollout.max_staleness)
+        metrics.host("rollout/staleness", self.step - self._async_batch.version)
+        metrics.host("rollout/version", self._async_batch.version)
+        metrics.host("time/rollout_wait_s", t.seconds)
+        metrics.host("time/generate_s", self._async_batch.generate_s)
+
+    def extra_state(self, *, after_failure: bool) -> dict:
+        """rollout.asynchronous: the batches in flight, received first (else saved as lost: the resume generates
+        them again from its own weights)."""
+        if self.async_rollout is None:
+            return {}
+        try:
+            batches = self.async_rollout.checkpoint_state(wait=not after_failure)
+        except RolloutWorkerError:  # the worker failed while the checkpoint waited: save what came back
+            batches = self.async_rollout.checkpoint_state(wait=False)
+        return {"async_rollout": batches}
+
+    def load_extra_state(self, state: dict) -> None:
+        self._async_saved = list(state.get("async_rollout", []))
 
     # ------------------------------------------------------------------------------------------------ phases
 
@@ -174,22 +255,32 @@ class Trainer(TrainingLoop):
     def _rollout_round(self, num_prompts: int, round_index: int) -> Episodes:
         """Roll out and score the next ``num_prompts`` prompts of this rank's order (round > 0: dynamic sampling)."""
         g, r = self.cfg.grpo, self.cfg.rollout
-        idx = self.sampler.next_batch(num_prompts)
+        batch = self._async_batch if round_index == 0 else None  # rollout.asynchronous: the worker's batch
+        idx = self.sampler.next_batch(num_prompts) if batch is None else batch.indices
         rows = [self.train_rows[i] for i in idx]
         texts, ids = self.prompts(idx, self.train_rows)
-        seed = (self.cfg.seed * 1_000_003 + self.step * 7919 + self.rank + round_index * 104_729) % (2**31)
-        sampling = SamplingParams(max_tokens=r.max_completion_length, temperature=r.temperature, top_p=r.top_p,
-                                  seed=seed, logprobs=r.importance_sampling_cap is not None)
+        seed = self._round_seed(self.step, round_index)
+        sampling = self._sampling(seed)
         if self.env is not None:  # multi-turn: the environment answers between the model's turns
             return collect_trajectories(self.engine, self.env, rows, texts, ids, group_size=g.num_generations,
                                         sampling=sampling, max_turns=r.max_turns, render=self.env_render,
                                         rewards=self.rewards, scale_rewards=g.scale_rewards,
                                         all_reduce=self._sum_over_ranks, prompt_column=self.cfg.data.prompt_column,
                                         sync=self._max_over_ranks if self.world_size > 1 else None)
-        return collect_episodes(self.engine, rows, texts, ids, group_size=g.num_generations, sampling=sampling,
+        engine = self.engine if batch is None else _Generated(batch, ids, g.num_generations)
+        return collect_episodes(engine, rows, texts, ids, group_size=g.num_generations, sampling=sampling,
                                 rewards=self.rewards,
                                 scale_rewards=g.scale_rewards if self.algorithm.group_advantages else None,
                                 all_reduce=self._sum_over_ranks, prompt_column=self.cfg.data.prompt_column)
+
+    def _round_seed(self, step: int, round_index: int) -> int:
+        """The sampling seed of a step's rollout round."""
+        return (self.cfg.seed * 1_000_003 + step * 7919 + self.rank + round_index * 104_729) % (2**31)
+
+    def _sampling(self, seed: int) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(max_tokens=r.max_completion_length, temperature=r.temperature, top_p=r.top_p,
+                              seed=seed, logprobs=r.importance_sampling_cap is not None)
 
     def _max_over_ranks(self, values: list[int]) -> list[int]:
         """Elementwise maximum of a few ints over ranks (multi-turn rollouts keep the ranks' generate calls in step)."""
@@ -242,12 +333,17 @@ class Trainer(TrainingLoop):
         timings, throughput) and its episodes; the record is None when SIGTERM cut the reward calls short on some
         rank, and the step was dropped (the data position is back where it was before it)."""
         metrics = StepMetrics()
+        self._async_batch = None
+        if self.async_rollout is not None:
+            self._async_take(metrics)
         data_position = self.sampler.state_dict()
         with Timer() as t_roll:
             ep = self.rollout(metrics)
         self._fault_point()
         if fdist.all_reduce_int(int(ep.interrupted), "max", device=self.device):
             self.sampler.load_state_dict(data_position)
+            if self._async_batch is not None:  # kept for the checkpoint: the resume trains on it
+                self.async_rollout.put_back(self._async_batch)
             return None, ep
         with Timer() as t_upd:
             self.policy_update(ep, metrics)
@@ -278,6 +374,14 @@ class Trainer(TrainingLoop):
         record["data/skipped_rows"] = float(self.data_info.get("skipped_invalid_rows", 0))
         return record
 
+    def run(self) -> dict[str, float]:
+        """The step loop (:meth:`TrainingLoop.run`); the generation worker (rollout.asynchronous) stops with it."""
+        try:
+            return super().run()
+        finally:
+            if self.async_rollout is not None:
+                self.async_rollout.close()
+
     def _on_sigterm(self, *_) -> None:
         """Preemption: stop after this step; reward calls in flight are abandoned at once (their step is dropped)."""
         super()._on_sigterm()
@@ -286,10 +390,14 @@ class Trainer(TrainingLoop):
     def close(self) -> None:
         """Release the reward workers, the rollout engine and the run folder (whatever a failed ``__init__`` got
         to). vLLM's teardown also ends torch.distributed's group: call this last."""
-        for part in (getattr(self, "rewards", None), getattr(self, "env", None), getattr(self, "engine", None)):
+        for part in (getattr(self, "async_rollout", None), getattr(self, "rewards", None), getattr(self, "env", None),
+                     getattr(self, "engine", None)):
             close = getattr(part, "close", None)
             if close is not None:
                 close()
+        if getattr(self, "_threads_before", None) is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
         super().close()
 
     def has_eval_data(self) -> bool:
@@ -331,3 +439,16 @@ class Trainer(TrainingLoop):
             "reward": float(ep.rewards[s]), "finish_reason": ep.finish_reasons[s],
             **({} if ep.adv is None else {"advantage": float(ep.adv.advantages[s])}),
         } for s in range(0, stride * k, stride)]
+
+
+class _Generated:
+    """The worker's completions of a batch, served to :func:`collect_episodes` as an engine's would be."""
+
+    def __init__(self, batch: Batch, prompts: list[list[int]], n: int) -> None:
+        self.batch, self.prompts, self.n = batch, prompts, n
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list]:
+        if prompts != self.prompts or n != self.n or len(self.batch.completions) != len(prompts):
+            raise RuntimeError(f"async rollout: the batch of step {self.batch.batch + 1} was generated for other "
+                               "prompts")
+        return self.batch.completions

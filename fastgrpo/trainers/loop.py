@@ -191,14 +191,29 @@ class TrainingLoop:
                                  offset=min(seen // self.world_size, self.sampler.per_rank))
         self.sampler.load_state_dict(sampler_state)
         self.step = int(state["step"])
+        self.load_extra_state(state)
         if self.is_main:
             print(f"[fastgrpo] resumed from {path} at step {self.step}", flush=True)
 
-    def _save(self) -> None:
-        state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict()}
+    def _save(self, *, after_failure: bool = False) -> None:
+        """A checkpoint of this step (``after_failure``: a resumable error stopped the run; work in flight that
+        did not come back is saved as lost)."""
+        state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
+                 **self.extra_state(after_failure=after_failure)}
         ckpt.save_checkpoint(self.run_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
                              trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
                              extras=self.checkpoint_extras())
+
+    def extra_state(self, *, after_failure: bool) -> dict[str, Any]:
+        """More of the trainer's state for the checkpoint (GRPO with rollout.asynchronous: the batches in flight)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """On resume, before the step loop: what :meth:`extra_state` saved (absent keys: an older checkpoint)."""
+
+    resumable_errors: tuple[type[BaseException], ...] = ()
+    """Errors of a step that stop the run with a checkpoint of the last finished step, resumable by the same
+    command (GRPO with rollout.asynchronous: the generation worker died or hung)."""
 
     def checkpoint_extras(self) -> dict[str, ckpt.Extra]:
         """Models checkpointed and resumed beside the policy, name -> (model, optimizer, scheduler): PPO's critic.
@@ -267,7 +282,12 @@ class TrainingLoop:
             if eval_at_start:
                 log.write({"step": 0, **self.evaluate()}, [], advance=False)
             while self.step < cfg.max_steps:
-                step_record, extra = self.train_step()
+                try:
+                    step_record, extra = self.train_step()
+                except self.resumable_errors as e:
+                    self._save(after_failure=True)
+                    raise type(e)(f"{e}; saved step {self.step} to {self.run_dir / 'checkpoints'}: run the same "
+                                  "command again to resume") from e
                 if step_record is None:  # SIGTERM cut the step short on some rank: it was dropped
                     self._save()
                     raise Preempted(f"SIGTERM during step {self.step + 1}: dropped that step and saved step "
