@@ -303,8 +303,8 @@ class RolloutConfig:
     """rollout.asynchronous on a CPU: torch threads of the generation worker; the trainer keeps the rest of the
     cores (at least 1). None = half the cores (at least 1)."""
     async_timeout_s: float = 600.0
-    """rollout.asynchronous: most seconds the trainer waits for one batch from the worker (its start included);
-    then the worker is stopped and the run saves a checkpoint and stops with a one-line error."""
+    """rollout.asynchronous: most seconds the trainer waits for one batch from the worker (its start: at least 300
+    s); then the worker is stopped, and the run saves a checkpoint and stops with a one-line error."""
 
     def validate(self, p: str) -> None:
         check(self.max_staleness >= 1, f"{p}.max_staleness", f"must be >= 1, got {self.max_staleness}")

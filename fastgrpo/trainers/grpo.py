@@ -9,6 +9,7 @@ A "step" is one rollout batch. With ``grpo.num_iterations = mu > 1`` the batch i
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -135,6 +136,7 @@ class Trainer(TrainingLoop):
             hf=r.hf, seed=self.cfg.seed, threads=worker_threads, max_staleness=r.max_staleness,
             timeout_s=r.async_timeout_s)
         self._async_next = self.step  # the next batch to request
+        self._async_kept = getattr(self, "_async_kept", None)  # dynamic sampling: last kept share (resumed)
         self.async_rollout.push(self.model, self.step)
         saved = [Batch.from_state(b) for b in getattr(self, "_async_saved", []) if b["batch"] >= self.step]
         for batch in saved:  # in step order, from self.step on
@@ -157,9 +159,18 @@ class Trainer(TrainingLoop):
         now: step k's batch is requested at the start of step k - max_staleness."""
         while self._async_next <= min(upto, self.cfg.max_steps - 1):
             k = self._async_next
-            self._async_submit(Batch(batch=k, indices=self.sampler.next_batch(self.cfg.grpo.prompts_per_step),
+            self._async_submit(Batch(batch=k, indices=self.sampler.next_batch(self._async_prompts()),
                                      seed=self._round_seed(k, 0), version=self.step))
             self._async_next += 1
+
+    def _async_prompts(self) -> int:
+        """Prompts of a batch requested now: grpo.prompts_per_step; with grpo.dynamic_sampling, enough that the
+        groups with a reward signal fill the batch at the share kept in the last batch scored (+10%, at most 4x),
+        so that extra rounds, generated here on the trainer's side, are rare."""
+        g = self.cfg.grpo
+        if not g.dynamic_sampling or self._async_kept is None:
+            return g.prompts_per_step
+        return min(4 * g.prompts_per_step, math.ceil(1.1 * g.prompts_per_step / max(self._async_kept, 0.25)))
 
     def _async_take(self, metrics: StepMetrics) -> None:
         """This step's batch from the worker (checked: version, weights, staleness), then the next request."""
@@ -168,6 +179,7 @@ class Trainer(TrainingLoop):
         self._async_fill(self.step + self.cfg.rollout.max_staleness)
         metrics.host("rollout/staleness", self.step - self._async_batch.version)
         metrics.host("rollout/version", self._async_batch.version)
+        metrics.host("rollout/async_prompts", len(self._async_batch.indices))
         metrics.host("time/rollout_wait_s", t.seconds)
         metrics.host("time/generate_s", self._async_batch.generate_s)
 
@@ -180,10 +192,11 @@ class Trainer(TrainingLoop):
             batches = self.async_rollout.checkpoint_state(wait=not after_failure)
         except RolloutWorkerError:  # the worker failed while the checkpoint waited: save what came back
             batches = self.async_rollout.checkpoint_state(wait=False)
-        return {"async_rollout": batches}
+        return {"async_rollout": batches, "async_kept": self._async_kept}
 
     def load_extra_state(self, state: dict) -> None:
         self._async_saved = list(state.get("async_rollout", []))
+        self._async_kept = state.get("async_kept")
 
     # ------------------------------------------------------------------------------------------------ phases
 
@@ -268,10 +281,13 @@ class Trainer(TrainingLoop):
                                         all_reduce=self._sum_over_ranks, prompt_column=self.cfg.data.prompt_column,
                                         sync=self._max_over_ranks if self.world_size > 1 else None)
         engine = self.engine if batch is None else _Generated(batch, ids, g.num_generations)
-        return collect_episodes(engine, rows, texts, ids, group_size=g.num_generations, sampling=sampling,
-                                rewards=self.rewards,
-                                scale_rewards=g.scale_rewards if self.algorithm.group_advantages else None,
-                                all_reduce=self._sum_over_ranks, prompt_column=self.cfg.data.prompt_column)
+        ep = collect_episodes(engine, rows, texts, ids, group_size=g.num_generations, sampling=sampling,
+                              rewards=self.rewards,
+                              scale_rewards=g.scale_rewards if self.algorithm.group_advantages else None,
+                              all_reduce=self._sum_over_ranks, prompt_column=self.cfg.data.prompt_column)
+        if batch is not None and ep.adv is not None:  # sizes the next requests (dynamic sampling)
+            self._async_kept = 1.0 - float(ep.adv.zero_std_mask.float().mean())
+        return ep
 
     def _round_seed(self, step: int, round_index: int) -> int:
         """The sampling seed of a step's rollout round."""
@@ -334,10 +350,10 @@ class Trainer(TrainingLoop):
         rank, and the step was dropped (the data position is back where it was before it)."""
         metrics = StepMetrics()
         self._async_batch = None
-        if self.async_rollout is not None:
-            self._async_take(metrics)
-        data_position = self.sampler.state_dict()
-        with Timer() as t_roll:
+        with Timer() as t_roll:  # with rollout.asynchronous: the wait for the worker's batch, then its scoring
+            if self.async_rollout is not None:
+                self._async_take(metrics)
+            data_position = self.sampler.state_dict()
             ep = self.rollout(metrics)
         self._fault_point()
         if fdist.all_reduce_int(int(ep.interrupted), "max", device=self.device):

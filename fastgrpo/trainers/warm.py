@@ -121,7 +121,7 @@ def warm_folder(name: str, cache_dir: str | Path | None = None) -> Path:
     # nor does how AdamW runs: keys added later with the build's old behaviour as their value leave the key (and
     # every cached model) as it was; optim.implementation 'auto' is foreach on the build's CPU, as before it existed
     for section, key, old in _LATER_KEYS:
-        if resolved.get(section, {}).get(key) == old:
+        if key in resolved.get(section, {}) and resolved[section][key] == old:  # (SFT has no rollout section)
             resolved[section].pop(key)
     key = {"sft": resolved, "tiny": _RECIPE_VERSION, "warm": _WARM_VERSION}
     base = warm_base(name)
