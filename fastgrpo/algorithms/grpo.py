@@ -169,5 +169,6 @@ GRPO = Algorithm(
     policy_updates=lambda cfg: cfg.max_steps * cfg.grpo.num_iterations,
     group_advantages=True,
     multi_turn=True,
+    asynchronous_rollout=True,
 )
 """Group-relative advantages, the clipped objective of grpo.loss_type, grpo.num_iterations updates per batch."""

@@ -88,5 +88,7 @@ class Algorithm:
     """Whether the rollout computes (and logs) group-relative advantages (``adv/*``, ``groups/*``)."""
     multi_turn: bool = False
     """Whether multi-turn rollouts (``rollout.env``) can train with it."""
+    asynchronous_rollout: bool = False
+    """Whether it can train on batches from the asynchronous generation worker (``rollout.asynchronous``)."""
     check_config: Callable[[Any], None] = _no_checks
     """Raises ConfigError naming the field for settings it does not serve; run when a config is validated."""

@@ -155,19 +155,19 @@ class TrainConfig(RunConfig):
               f"multi-turn rollouts do not train with algorithm {self.algorithm} (use grpo)")
         algorithm.check_config(self)  # the settings the algorithm does not serve, each naming its field
         if self.rollout.asynchronous:
-            check_async(self)
+            check_async(self, algorithm)
         return self
 
 
-def check_async(cfg: TrainConfig) -> None:
+def check_async(cfg: TrainConfig, algorithm) -> None:
     """rollout.asynchronous: the combinations it serves so far (docs/ASYNC.md); each other one is refused here,
     naming its field, rather than half-working."""
     r = cfg.rollout
     check(r.engine == "hf", "rollout.engine", f"rollout.asynchronous generates with the 'hf' engine only for now, got "
           f"{r.engine!r} (vLLM on its own GPUs is designed in docs/ASYNC.md, not built)")
     check(not r.env.enabled, "rollout.env", "multi-turn rollouts (tools) are not served by rollout.asynchronous yet")
-    check(cfg.algorithm == "grpo", "algorithm", f"rollout.asynchronous serves algorithm grpo only, got "
-          f"{cfg.algorithm!r}")
+    check(algorithm.asynchronous_rollout, "algorithm", f"rollout.asynchronous does not serve algorithm "
+          f"{cfg.algorithm!r} yet (grpo only)")
     check(r.importance_sampling_cap is not None, "rollout.importance_sampling_cap",
           "rollout.asynchronous trains on batches sampled by older weights: set the truncated importance-sampling "
           "cap that corrects them (e.g. 2.0)")
