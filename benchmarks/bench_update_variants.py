@@ -2,10 +2,15 @@
 one-GPU default), bf16 compute weights with float32 masters, + compiled blocks (static shapes), + CUDA graphs.
 
 Per work (S sequences of prompt P + completion L tokens) and variant: seconds per update (median of the timed
-updates after warm-up), MFU (``fastgrpo.runtime.metrics.update_flops`` / time / the card's bf16 peak), peak memory,
-and the compile counters (graph breaks, graphs compiled) after the run. Every variant runs the trainer's own update
-(``build_trained`` -> ``grpo_update``), on a random-weight model of a ``benchmarks/peer_work.SHAPES`` shape (or the
-tiny model). TRL's update on the same works is ``bench_trl.py --update-only`` (benchmarks/gpu_issue38.sh runs both).
+updates after warm-up) and of its optimizer step alone, MFU (``fastgrpo.runtime.metrics.update_flops`` / time / the
+card's bf16 peak), peak memory and what stays allocated between updates, the compile counters (graph breaks, graphs
+compiled) and the CUDA-graph counters of eager blocks (row shapes captured, block calls replayed) after the run. A
+variant that fails is a row with the error's first line, and its whole traceback (dynamo's explanation included)
+goes to the output. ``--profile`` variants also get one more update under torch.profiler: the kernels launched, the
+device's busy time against the update's wall time (a gap is host dispatch), and the top kernels by device time.
+Every variant runs the trainer's own update (``build_trained`` -> ``grpo_update``), on a random-weight model of a
+``benchmarks/peer_work.SHAPES`` shape (or the tiny model). TRL's update on the same works is ``bench_trl.py
+--update-only`` (benchmarks/gpu_issue38.sh runs both).
 
     python benchmarks/bench_update_variants.py                       # a GPU: Qwen2.5-0.5B shapes, the three works
     python benchmarks/bench_update_variants.py --smoke               # a CPU: the tiny model, a few seconds
@@ -23,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +41,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from benchmarks.peer_work import SHAPES, build_model_folder  # noqa: E402
 from fastgrpo.algorithms.grpo import GRPOBatch, grpo_update  # noqa: E402
 from fastgrpo.config import GRPOConfig, OptimConfig, ParallelConfig, RolloutConfig  # noqa: E402
+from fastgrpo.distributed.parallelize import transformer_blocks  # noqa: E402
 from fastgrpo.models.attention import choose_attn_implementation, register_with_transformers  # noqa: E402
 from fastgrpo.models.packing import resolve_buckets  # noqa: E402
 from fastgrpo.runtime.metrics import StepMetrics, device_peak_flops, update_flops  # noqa: E402
@@ -49,15 +56,17 @@ WORKS = {  # name: (sequences, prompt tokens, completion tokens)
 
 
 def variants(budget: int) -> dict[str, dict]:
-    """Variant name -> ParallelConfig fields. Eager CUDA graphs need explicit buckets: the auto ones of the budget."""
+    """Variant name -> ParallelConfig fields, the most telling first. Eager CUDA graphs need explicit buckets: the
+    auto ones of the budget; ``bf16-masters+buckets`` pads to them without graphs (what the padding alone costs)."""
     buckets = resolve_buckets("auto", budget)
     return {
         "autocast": {},
         "bf16-masters": {"master_weights": True},
-        "compile": {"compile": True},
         "bf16-masters+compile": {"master_weights": True, "compile": True},
-        "bf16-masters+compile+graphs": {"master_weights": True, "compile": True, "cuda_graphs": True},
         "bf16-masters+graphs": {"master_weights": True, "cuda_graphs": True, "token_buckets": buckets},
+        "compile": {"compile": True},
+        "bf16-masters+compile+graphs": {"master_weights": True, "compile": True, "cuda_graphs": True},
+        "bf16-masters+buckets": {"master_weights": True, "token_buckets": buckets},
     }
 
 
@@ -69,8 +78,12 @@ class Row:
     update_s: float | None = None
     mfu: float | None = None
     peak_gib: float | None = None
+    held_gib: float | None = None
+    optimizer_s: float | None = None
     graph_breaks: int = 0
     graphs: int = 0
+    captured: int = 0
+    replays: int = 0
     error: str = ""
 
 
@@ -82,13 +95,71 @@ def _batch(work: str, seed: int) -> GRPOBatch:
                      advantages=torch.randn(s, generator=torch.Generator().manual_seed(seed)))
 
 
+class _StepTimer:
+    """Times ``optimizer.step`` inside the update: CUDA events on a GPU (read after the update's sync, so no sync is
+    added), the host clock on a CPU."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+        step = optimizer.step
+
+        def timed(*args, **kwargs):
+            start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            if self.cuda:
+                start.record()
+            out = step(*args, **kwargs)
+            end = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            if self.cuda:
+                end.record()
+            self.marks.append((start, end))
+            return out
+
+        optimizer.step = timed
+
+    def take(self) -> float:
+        """Seconds in optimizer.step since the last call (after the device synchronised)."""
+        total = sum(a.elapsed_time(b) / 1e3 if self.cuda else b - a for a, b in self.marks)
+        self.marks.clear()
+        return total
+
+
+def _profile(update, sync, device: torch.device, top: int) -> str:
+    """One more update under torch.profiler: kernels launched, device busy time against wall time, top kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        update(10_000)
+        sync()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    if not cuda:
+        return events.table(sort_by="self_cpu_time_total", row_limit=top)
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    busy = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+               for e in kernels) / 1e6
+    head = (f"kernels launched {sum(e.count for e in kernels):,}, device busy {busy:.4f} s of {wall:.4f} s wall "
+            f"(profiled; the gap is the host)")
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            return head + "\n" + events.table(sort_by=key, row_limit=top)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return head
+
+
 def run(folder: Path, work: str, variant: str, fields: dict, *, device: torch.device, budget: int, warmup: int,
-        steps: int) -> Row:
+        steps: int, profile_top: int = 0) -> Row:
     s, p, c = WORKS[work]
     row = Row(work=work, variant=variant, tokens=s * (p + c))
     torch._dynamo.reset()
     counters.clear()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    model = None
     try:
         register_with_transformers()
         model = AutoModelForCausalLM.from_pretrained(
@@ -96,42 +167,59 @@ def run(folder: Path, work: str, variant: str, fields: dict, *, device: torch.de
         parallel = ParallelConfig(**fields)
         parallel.validate("parallel")
         trained = build_trained(model, parallel=parallel, optim=OptimConfig(lr=1e-6), device=device, world_size=1,
-                                total_steps=warmup + steps)
+                                total_steps=warmup + steps + 1)
+        model = trained.model
+        timer = _StepTimer(trained.optimizer, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for i in range(warmup + steps):
-            batch = _batch(work, seed=i)
-            sync()
-            t0 = time.perf_counter()
-            grpo_update(trained.model, batch, grpo=GRPOConfig(max_tokens_per_microbatch=budget),
+
+        def update(seed: int) -> None:
+            grpo_update(trained.model, _batch(work, seed=seed), grpo=GRPOConfig(max_tokens_per_microbatch=budget),
                         rollout=RolloutConfig(max_completion_length=c), optimizer=trained.optimizer,
                         scheduler=trained.scheduler, max_grad_norm=1.0, metrics=StepMetrics(), device=device)
+
+        times, optimizer_times = [], []
+        for i in range(warmup + steps):
+            sync()
+            t0 = time.perf_counter()
+            update(i)
             sync()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+                optimizer_times.append(timer.take())
+            timer.take()
         row.update_s = statistics.median(times)
+        row.optimizer_s = statistics.median(optimizer_times)
         peak = device_peak_flops(device)
         if peak:
             row.mfu = update_flops(trained.model, [p] * s, [c] * s) / row.update_s / peak
         if device.type == "cuda":
             row.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+            row.held_gib = torch.cuda.memory_allocated(device) / 2**30  # between updates: weights, state, graphs
+        if profile_top:
+            print(f"--- profile: {work} {variant}\n{_profile(update, sync, device, profile_top)}", flush=True)
     except Exception as e:  # one failed variant is a row, not the end of the table
-        row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        print(f"--- {work} {variant} failed:\n{traceback.format_exc()}", flush=True)
     row.graph_breaks = sum(counters["graph_break"].values())
     row.graphs = counters["stats"]["unique_graphs"]
+    graphs = getattr(transformer_blocks(model), "block_graphs", None) if model is not None else None
+    if graphs is not None:
+        row.captured, row.replays = graphs.captures, graphs.replays
     return row
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| work | variant | tokens | update s | MFU | peak GiB | graph breaks | graphs | error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| work | variant | tokens | update s | optimizer s | MFU | peak GiB | held GiB | graph breaks | "
+             "graphs compiled | CUDA graph shapes (replays) | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def fmt(x, f):
             return "n/a" if x is None else format(x, f)
         lines.append(f"| {r.work} | {r.variant} | {r.tokens:,} | {fmt(r.update_s, '.4f')} | "
-                     f"{'n/a' if r.mfu is None else f'{100 * r.mfu:.1f}%'} | {fmt(r.peak_gib, '.2f')} | "
-                     f"{r.graph_breaks} | {r.graphs} | {r.error} |")
+                     f"{fmt(r.optimizer_s, '.4f')} | {'n/a' if r.mfu is None else f'{100 * r.mfu:.1f}%'} | "
+                     f"{fmt(r.peak_gib, '.2f')} | {fmt(r.held_gib, '.2f')} | {r.graph_breaks} | {r.graphs} | "
+                     f"{r.captured} ({r.replays:,}) | {r.error} |")
     return "\n".join(lines)
 
 
@@ -153,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=8192, help="micro-batch token budget")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--profile", default="", help="comma list of variants to profile once more after timing")
+    ap.add_argument("--profile-top", type=int, default=15, help="kernels listed per profile")
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny model, work 'tiny', 1 + 1 updates")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = ap.parse_args(argv)
@@ -162,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = variants(args.budget)
     names = args.variants.split(",") if args.variants else [
         n for n, f in chosen.items() if device.type == "cuda" or not f.get("cuda_graphs")]
-    unknown = [n for n in names if n not in chosen] + [w for w in args.works.split(",") if w not in WORKS]
+    profiled = set(filter(None, args.profile.split(",")))
+    unknown = [n for n in [*names, *profiled] if n not in chosen] + [w for w in args.works.split(",") if w not in WORKS]
     if unknown:
         ap.error(f"unknown variant or work: {', '.join(unknown)}")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -174,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         for work in args.works.split(","):
             for variant in names:
                 rows.append(run(folder, work, variant, chosen[variant], device=device, budget=args.budget,
-                                warmup=args.warmup, steps=args.steps))
+                                warmup=args.warmup, steps=args.steps,
+                                profile_top=args.profile_top if variant in profiled else 0))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
                 if args.out:  # after every row: a step cut short by its time limit keeps what it measured
                     _write(Path(args.out), rows, head)

@@ -12,20 +12,34 @@
 #       (Countdown-like prompt lengths: the TRL ratio is read against (c)'s fastgrpo row, the variants' gain on (b))
 #
 #   bash benchmarks/gpu_issue38.sh                 # on the GPU machine; carry .whl/ (trl, accelerate, datasets, ...)
+#   QUICK=1 bash benchmarks/gpu_issue38.sh         # ~270 s: (a), then (b) at s8 and s64 only, in two steps (one per
+#                                                  # work), the most telling variants first, three of them profiled
+#                                                  # (kernels launched, device busy vs wall, top kernels); no TRL
 #   SMOKE=1 bash benchmarks/gpu_issue38.sh         # CPU: the same steps at tiny shapes (checks the script itself)
+#   SMOKE=1 QUICK=1 bash benchmarks/gpu_issue38.sh # CPU: the QUICK steps at tiny shapes
+#
+# pytest runs without -x: every failing test shows, with its traceback. A failing variant is a row with its error,
+# and its whole traceback is in the log.
 #
 # Results in ${OUT:-benchmarks/results}/: issue38_log.txt, issue38_steps.tsv (step, status, seconds, limit),
-# issue38_pytest.xml, update_variants.{json,md}, bench_trl_update_{8,64,long}.{json,md}. BUDGET_S (default 540) caps
-# everything; each step runs under `timeout` with its own limit, cut to what is left; under 20 s left: skipped.
+# issue38_pytest.xml, update_variants*.{json,md}, bench_trl_update_{8,64,long}.{json,md}. BUDGET_S (default 540;
+# QUICK 270) caps everything; each step runs under `timeout` with its own limit, cut to what is left; under 20 s
+# left: skipped.
 cd "$(dirname "$0")/.."
-TAG=issue38 BUDGET_DEFAULT=540
+QUICK=${QUICK:-0}
+TAG=issue38 BUDGET_DEFAULT=$([ "$QUICK" = 1 ] && echo 270 || echo 540)
 source benchmarks/gpu_steps.sh
+# QUICK: the variants in this order (what the first H100 call left open first; +buckets: the padding alone), three
+# of them profiled
+QUICK_VARIANTS=autocast,bf16-masters,bf16-masters+compile,bf16-masters+graphs,compile,bf16-masters+buckets
+QUICK_PROFILE=autocast,bf16-masters,bf16-masters+graphs
 
 if [ "$SMOKE" = 1 ]; then
   VARIANT_ARGS=(--smoke)
   TRL_COMMON=(--shape tiny --completion-mean 20 --completion-cap 40 --repeats 1)
   TRL_WORKS=("8:--sequences 8" "long:--sequences 8 --completion-mean 40 --completion-cap 40")
   TESTS=(tests/test_cuda_graphs.py tests/test_master_weights.py)
+  QUICK_WORKS=(tiny)
 else
   if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "gpu_issue38.sh: no CUDA device visible (SMOKE=1 runs the steps at tiny shapes on the CPU)" >&2
@@ -35,14 +49,37 @@ else
   VARIANT_ARGS=(--shape qwen2.5-0.5b --works "${WORKS:-s8,s64,long}" --warmup 3 --steps 5)
   TRL_COMMON=(--shape qwen2.5-0.5b --repeats 3)
   TRL_WORKS=("8:--sequences 8" "64:--sequences 64" "long:--sequences 32 --completion-mean 1024 --completion-cap 1024")
-  TESTS=(tests/test_cuda_graphs.py tests/test_compile_blocks.py tests/test_master_weights.py tests/test_static_shapes.py)
+  TESTS=(tests/test_cuda_graphs.py tests/test_compile_blocks.py tests/test_master_weights.py tests/test_static_shapes.py
+         tests/test_varlen_op.py)
+  QUICK_WORKS=(s8 s64)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 date -u +"date: %Y-%m-%dT%H:%MZ"
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-echo "command: BUDGET_S=$BUDGET_S SMOKE=$SMOKE bash benchmarks/gpu_issue38.sh"
+echo "command: BUDGET_S=$BUDGET_S SMOKE=$SMOKE QUICK=$QUICK bash benchmarks/gpu_issue38.sh"
 
-step pytest "$(cap 90)" "$PY" -m pytest -q -x "${TESTS[@]}" --junitxml "$OUT_DIR/issue38_pytest.xml" -p no:cacheprovider
+step pytest "$(cap $([ "$QUICK" = 1 ] && echo 75 || echo 90))" "$PY" -m pytest -q -rfE "${TESTS[@]}" \
+  --junitxml "$OUT_DIR/issue38_pytest.xml" -p no:cacheprovider
+if [ "$QUICK" = 1 ]; then
+  # one step per work, each capped at its share of what is left, so that a slow compile at s8 leaves s64 its turn
+  n=${#QUICK_WORKS[@]}
+  for work in "${QUICK_WORKS[@]}"; do
+    left=$((DEADLINE - SECONDS - 5))
+    if [ "$SMOKE" = 1 ]; then  # no CUDA graphs on a CPU
+      args=(--smoke --variants "$(echo "$QUICK_VARIANTS" | tr ',' '\n' | grep -v graphs | paste -sd,)")
+    else
+      args=(--shape qwen2.5-0.5b --works "$work" --variants "$QUICK_VARIANTS" --warmup 3 --steps 5)
+    fi
+    step "variants_$work" "$(cap $((left / n)))" "$PY" benchmarks/bench_update_variants.py "${args[@]}" \
+      --profile "$QUICK_PROFILE" --profile-top 15 --out "$OUT_DIR/update_variants_$work"
+    n=$((n - 1))
+  done
+  echo; echo "=== steps ($SECONDS s in all)"; cat "$STEPS"
+  for f in "$OUT_DIR"/update_variants_*.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
+  exec >&- 2>&-  # let tee finish the log before the call collects it
+  wait "$TEE_PID" 2>/dev/null
+  exit $status
+fi
 trl_step() {  # trl_step "NAME:ARGS": TRL's update against grpo_update on one fixed batch
   local work=$1 name=${1%%:*} L
   L=$(cap 90)

@@ -112,3 +112,37 @@ def test_a_checkpoint_resumes_the_float32_masters_exactly(tmp_path):
         assert torch.equal(p, q), name
         for key, value in trained.optimizer.state[p].items():
             assert value.dtype == torch.float32 and torch.equal(fresh.optimizer.state[q][key], value), (name, key)
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+def test_an_accelerator_step_reads_nothing_on_the_host_and_is_torch_adamw(rng, monkeypatch, implementation):
+    """No host read inside an optimizer step on an accelerator (the learning rate is a host float, the step counts
+    and bias corrections device scalars): foreach's accelerator path runs here on the CPU (its step counts treated
+    as device tensors), fused's is the same on both; neither calls ``.item()``, and both are torch's AdamW."""
+    import fastgrpo.update.master_weights as mw
+
+    monkeypatch.setattr(mw, "_host_step", lambda step: False)
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(self) or item(self))
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    shapes = [(5, 3), (7,)]
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    got = [torch.nn.Parameter(t.clone()) for t in start]
+    kw = dict(lr=3e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    ref_opt, opt = torch.optim.AdamW(ref, foreach=True, **kw), MasterAdamW(got, implementation=implementation, **kw)
+    for _ in range(4):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for params, o in ((ref, ref_opt), (got, opt)):
+            o.zero_grad()
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            if o is opt:
+                reads.clear()
+                o.step()
+                assert reads == []
+            else:
+                o.step()
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)

@@ -73,7 +73,7 @@ def test_padded_rows_have_the_bucket_shapes_and_a_tail_that_predicts_nothing(rng
         for field in ("hidden_index", "targets", "flat_index"):
             assert torch.equal(getattr(mb, field), getattr(ref, field)), field
         tail = mb.position_ids[0, ref.num_tokens:].tolist()
-        starts = [0, *[sum(mb.pad_lengths[:i]) for i in range(1, len(mb.pad_lengths))]]
+        starts = [sum(mb.pad_lengths[:i]) for i in range(len(mb.pad_lengths))]  # none when the row fills its bucket
         assert [tail[s] for s in starts] == [0] * len(starts)  # position ids restart in every dummy segment
         assert set(mb.input_ids[0, ref.num_tokens:].tolist()) <= {0}
 
@@ -104,6 +104,37 @@ def test_the_step_plan_pads_to_the_models_buckets(rng):
     plan = plan_step(prompts, completions, 64, device="cpu", buckets=[16, 32, 64])
     assert {mb.num_tokens for mb in plan.mbs} <= {16, 32, 64}
     assert sum(mb.num_completion_tokens for mb in plan.mbs) == sum(map(len, completions))
+
+
+def test_the_step_plan_keeps_padded_rows_to_few_shapes_that_launch_few_empty_blocks(rng):
+    """A padded row's max_seqlen is the step's longest sequence rounded up to a power of two (not the bucket) and
+    its cu_seqlens the power of two >= the entries it uses (not the bucket's worst case): the varlen kernels launch
+    a block per (sequence slot, max_seqlen tile, head), so both set how many empty blocks each layer launches (the
+    first H100 run: an eager-graphed update 4x slower than eager at max_seqlen = the bucket). Same segments,
+    same loss inputs as the row pack gives."""
+    prompts, completions = _batch(rng, n=40)  # sequences of 2..19 tokens, and one of 20: the longest is 20..
+    prompts, completions = prompts + [[5, 6, 7]], completions + [[8] * 17]
+    longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    plan = plan_step(prompts, completions, 256, device="cpu", buckets=[64, 128, 256])
+    seq_lens = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    full = pack(prompts, completions, plan_microbatches(seq_lens, 256), "cpu", buckets=[64, 128, 256],
+                max_seqlen=plan.mbs[0].max_seqlen)
+    assert {mb.max_seqlen for mb in plan.mbs} == {32} and longest == 20  # every row's bucket is >= 64 here
+    for mb, ref in zip(plan.mbs, full, strict=True):
+        used = len(mb.segment_lengths) + 1
+        c = mb.cu_seqlens.numel()
+        assert c >= used and c & (c - 1) == 0 and (c == 8 or c < 2 * used)  # a power of two, at least 8
+        assert c < segment_capacity(mb.num_tokens)  # far fewer than the bucket's worst case here
+        assert mb.cu_seqlens.tolist() == ref.cu_seqlens[:c].tolist() and mb.cu_seqlens[-1] == mb.num_tokens
+        assert set(ref.cu_seqlens[c:].tolist()) <= {mb.num_tokens}  # what was cut: empty segments only
+        for field in ("input_ids", "hidden_index", "targets", "flat_index"):
+            assert torch.equal(getattr(mb, field), getattr(ref, field)), field
+    # a bucket shorter than the step's max_seqlen: the row's max_seqlen is the bucket (no sequence can be longer)
+    small = plan_step(prompts[:2], completions[:2], 16, device="cpu", buckets=[16]).mbs
+    assert {mb.max_seqlen for mb in small if mb.num_tokens == 16} <= {16}
+    # without buckets nothing changes: exact boundaries, the row's own longest sequence
+    for mb in plan_step(prompts, completions, 256, device="cpu").mbs:
+        assert mb.cu_seqlens.numel() == len(mb.seq_lengths) + 1 and mb.max_seqlen == max(mb.seq_lengths)
 
 
 def test_throughput_counts_the_real_tokens_of_padded_rows(rng):

@@ -57,3 +57,22 @@ def test_the_backend_refuses_rows_without_boundaries_and_sliding_windows():
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="sliding-window"):
         _varlen_op(None, x, x, x, None, sliding_window=2, cu_seq_lens_q=cu, max_length_q=4)
+
+
+def test_under_autocast_it_takes_float32_queries_with_bf16_values_as_sdpa_would(rng):
+    """Under autocast q and k come out of the rotary embedding in float32 while v comes out of its projection in
+    bf16 (the dtypes of the first GPU run's failure); the op casts all three to bf16, eager and compiled alike."""
+    q, k, v, cu, lengths = _inputs(rng, torch.float32, requires_grad=True)
+    vb = v.detach().bfloat16().requires_grad_()
+    with pytest.raises(RuntimeError, match="same dtype"):  # what the op gets without the autocast rule
+        varlen_attn(q, k, vb, cu, 16, 0.3)
+    ref = _reference(q.bfloat16(), k.bfloat16(), vb, lengths, 0.3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = varlen_attn(q, k, vb, cu, 16, 0.3)
+        compiled = torch.compile(lambda q, k, v: varlen_attn(q, k, v, cu, 16, 0.3), backend="aot_eager",
+                                 fullgraph=True)(q, k, vb)
+    assert got.dtype == compiled.dtype == torch.bfloat16
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch.testing.assert_close(compiled, ref, rtol=0, atol=0)
+    dq, dv = torch.autograd.grad(got.float().sum(), (q, vb))
+    assert dq.dtype == torch.float32 and dv.dtype == torch.bfloat16  # each input's own dtype, as autograd casts back

@@ -66,6 +66,10 @@ def _apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
 _HOST_BOUNDS_BACKENDS = ("sdpa_varlen", "torch_varlen")
 
 
+MAX_BLOCK_GRAPHS = 64
+"""Compiled graphs one block's forward may have (dynamo's recompile limit is raised to it): row shapes of a run."""
+
+
 def _apply_compile(model: nn.Module, blocks: nn.ModuleList, mode: str | None = None) -> None:
     # Per block, not the whole model: every block has the same graph, so one compilation serves all (dynamo passes
     # the parameters as inputs). fullgraph: a graph break would split the block and bring back the host dispatch
@@ -73,6 +77,12 @@ def _apply_compile(model: nn.Module, blocks: nn.ModuleList, mode: str | None = N
     # (parallel.token_buckets), so each bucket is one static-shape graph, reused by every later step.
     if getattr(model.config, "_attn_implementation", None) in _HOST_BOUNDS_BACKENDS:
         model.set_attn_implementation("varlen_op")
+    # One graph per row shape (bucket, boundary count, max_seqlen; fastgrpo.update.step.plan_step keeps each to a
+    # few values), every one an entry of the same code object (all blocks share their forward): past dynamo's
+    # default of 8 entries the blocks of a run's later shapes would run eagerly, with only a log line to say so.
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, limit, max(getattr(config, limit), MAX_BLOCK_GRAPHS))
     for block in blocks:
         block.compile(fullgraph=True, dynamic=False, mode=mode)
 

@@ -153,9 +153,21 @@ def _sequence_starts(position_ids: torch.Tensor | None, length: int) -> list[int
     return [0, *(restart[0].nonzero().squeeze(1) + 1).tolist(), length]
 
 
+# torch's FlashAttention varlen op and its keyword names, looked up once here: inside a compiled block's trace both
+# lookups are graph breaks on torch 2.11 (dynamo does not trace importlib's find_spec: "Attempted to call function
+# marked as skipped", the first H100 run of issue 38) and would cost a signature parse per layer otherwise.
+_TORCH_VARLEN = importlib.util.find_spec("torch.nn.attention.varlen") is not None
+_VARLEN_FN: Callable | None = None
+_VARLEN_PARAMS: tuple[str, ...] = ()
+if _TORCH_VARLEN:
+    from torch.nn.attention.varlen import varlen_attn as _VARLEN_FN
+
+    _VARLEN_PARAMS = tuple(inspect.signature(_VARLEN_FN).parameters)  # a tuple: constant to dynamo in every version
+
+
 def _torch_varlen_available() -> bool:
     """torch ships FlashAttention's varlen kernel as ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10)."""
-    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    return _TORCH_VARLEN
 
 
 def _needs_torch_varlen(device: torch.device) -> None:
@@ -169,7 +181,7 @@ def _needs_torch_varlen(device: torch.device) -> None:
 def _varlen_call_options(varlen_attn: Callable, window: int | None, gqa: bool) -> dict[str, Any]:
     """Keyword arguments for causal attention across torch versions: 2.10-2.11 take ``is_causal``, later ones a
     ``window_size`` ((-1, 0) = causal); GQA is native where ``enable_gqa`` exists (else the caller repeats kv)."""
-    params = inspect.signature(varlen_attn).parameters
+    params = _VARLEN_PARAMS if varlen_attn is _VARLEN_FN else inspect.signature(varlen_attn).parameters
     options: dict[str, Any] = {}
     if "window_size" in params:
         options["window_size"] = (-1 if window is None else window - 1, 0)
@@ -225,7 +237,13 @@ def _varlen_op(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     if cu is None or dropout or sliding_window is not None:
         raise ValueError("model.attn_implementation=varlen_op runs packed rows only (cu_seq_lens_q), without "
                          "dropout or sliding-window layers")
-    if query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16) and _torch_varlen_available():
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Under autocast q and k leave the rotary embedding in float32 and v its projection in bf16: cast all three
+        # to the autocast dtype (as sdpa does itself) before choosing, so that CUDA takes FlashAttention's op
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    if device_type == "cuda" and query.dtype in (torch.bfloat16, torch.float16) and _torch_varlen_available():
         return _torch_varlen(module, query, key, value, attention_mask, dropout, scaling, sliding_window, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, d]

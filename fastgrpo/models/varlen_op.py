@@ -14,6 +14,12 @@ eager forwards agree). Backward, per sequence, from the saved q, k, v and output
 ``dQ = scale dS K``, ``dK = scale dS^T Q``; with grouped-query attention (Hq = g Hkv) the g query heads' dK and dV of
 a key head add up. Computed in float32 and returned in the input dtype.
 
+Under autocast the op is a lower-precision op, as sdpa is (``torch.library.register_autocast``, CUDA and CPU, to
+bfloat16, the only autocast dtype fastgrpo trains with): q and k leave the rotary embedding in float32 (its cos / sin
+follow the float32 residual stream) while v leaves its projection in bfloat16, and the op gets all three in bfloat16,
+as sdpa would cast them itself. (The op's own implementation runs below the autocast key: without this rule it would
+see the mixed dtypes, which sdpa refuses.)
+
 Legend: T tokens in the row, Hq query heads, Hkv key/value heads, d head size, C entries of ``cu_seqlens``,
 L one sequence's length.
 """
@@ -101,3 +107,8 @@ def _backward(ctx, grad):
 
 
 varlen_attn.register_autograd(_backward, setup_context=_setup_context)
+
+AUTOCAST_DTYPE = torch.bfloat16
+"""What the op computes in under autocast (module doc): the floating inputs are cast to it."""
+for _device_type in ("cuda", "cpu"):
+    torch.library.register_autocast("fastgrpo::varlen_attn", _device_type, AUTOCAST_DTYPE)

@@ -128,29 +128,32 @@ class MasterAdamW(torch.optim.Optimizer):
 def _foreach_adamw(masters: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float, beta1: float,
                    beta2: float, weight_decay: float, eps: float) -> None:
-    """AdamW (module doc) with multi-tensor ops; the bias corrections from the host step count of the first
-    tensor (all of a group's tensors step together)."""
+    """AdamW (module doc) with multi-tensor ops. All of a group's tensors step together, so the bias corrections
+    come from the first tensor's step count: a host int on a CPU (free there), else one device scalar each (no host
+    read, and a fixed number of launches whatever the number of tensors)."""
     torch._foreach_add_(steps, 1)
-    t = int(steps[0].item()) if steps[0].device.type == "cpu" else None
-    if t is None:  # an accelerator: no host read, bias corrections as device tensors
-        bc1 = [1 - torch.pow(beta1, s) for s in steps]
-        bc2 = [(1 - torch.pow(beta2, s)).sqrt() for s in steps]
     if weight_decay:
         torch._foreach_mul_(masters, 1 - lr * weight_decay)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    if t is not None:
+    if _host_step(steps[0]):
+        t = int(steps[0].item())
         torch._foreach_div_(denom, math.sqrt(1 - beta2 ** t))
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(masters, exp_avgs, denom, -lr / (1 - beta1 ** t))
     else:
-        torch._foreach_div_(denom, bc2)
+        t = steps[0]  # a 0-dim float32 tensor on the device
+        torch._foreach_div_(denom, (1 - beta2 ** t).sqrt())
         torch._foreach_add_(denom, eps)
-        update = torch._foreach_div(exp_avgs, bc1)
-        torch._foreach_mul_(update, -lr)
+        update = torch._foreach_div(exp_avgs, (1 - beta1 ** t) / -lr)
         torch._foreach_addcdiv_(masters, update, denom)
+
+
+def _host_step(step: torch.Tensor) -> bool:
+    """Whether the step count may be read on the host: on a CPU it is host memory already."""
+    return step.device.type == "cpu"
 
 
 def gradients_for_clipping(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:

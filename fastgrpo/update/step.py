@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable
 
@@ -87,17 +87,51 @@ def plan_step(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_
     """First-fit-decreasing micro-batches under ``max_tokens``, split or padded to the same count on every rank, and
     the global number of sequences and of ``counted_tokens`` (default: every completion token of this rank), all
     from one collective. ``buckets``: the token buckets each row is padded to (``model.token_buckets``, set by
-    ``parallelize_model``; 'auto' resolves against ``max_tokens``); () = no padding."""
+    ``parallelize_model``; 'auto' resolves against ``max_tokens``); () = no padding. A padded row's shapes are
+    kept to a few values, each one compiled graph or one set of CUDA graphs: its ``max_seqlen`` is the step's
+    longest sequence (over all ranks) rounded up to a power of two (at least ``MIN_PADDED_SEQLEN``; at most the
+    row's bucket), its ``cu_seqlens`` the power of two >= the entries it uses (:func:`_fewer_boundaries`)."""
     seq_lens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
     bins = plan_microbatches(seq_lens, max_tokens)
     counted = sum(len(c) for c in completion_ids) if counted_tokens is None else counted_tokens
-    ranks = gather_ints([len(seq_lens), counted, len(bins)], device=device)  # [world size][3]
+    ranks = gather_ints([len(seq_lens), counted, len(bins), max(seq_lens, default=0)], device=device)  # [world][4]
     # FSDP: every rank must run the same number of forward/backward calls (collectives per block)
     bins = split_to_count(bins, seq_lens, max(r[2] for r in ranks))
-    mbs = pack(prompt_ids, completion_ids, bins, device=device, pad_token_id=pad_token_id,
-               buckets=resolve_buckets(buckets, max_tokens))
-    return StepPlan(mbs=mbs,
+    buckets = resolve_buckets(buckets, max_tokens)
+    # padded rows: max_seqlen the step's longest sequence over all ranks, rounded up to a power of two
+    max_seqlen = _power_of_two(max(r[3] for r in ranks), MIN_PADDED_SEQLEN) if buckets else None
+    mbs = pack(prompt_ids, completion_ids, bins, device=device, pad_token_id=pad_token_id, buckets=buckets,
+               max_seqlen=max_seqlen)
+    return StepPlan(mbs=[_fewer_boundaries(mb, buckets) for mb in mbs],
                     num_sequences=sum(r[0] for r in ranks), num_tokens=sum(r[1] for r in ranks))
+
+
+MIN_PADDED_SEQLEN = 16
+"""The smallest ``max_seqlen`` of a padded row (:func:`plan_step`)."""
+MIN_BOUNDARIES = 8
+"""The fewest ``cu_seqlens`` entries of a padded row (:func:`plan_step`)."""
+
+
+def _power_of_two(n: int, least: int) -> int:
+    """The smallest power of two >= ``n`` and >= ``least``."""
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
+def _fewer_boundaries(mb: MicroBatch, buckets: Sequence[int]) -> MicroBatch:
+    """A padded row's ``cu_seqlens`` cut from ``segment_capacity(bucket)`` entries (every row's worst case: a
+    bucket's worth of 2-token sequences) to the power of two >= the entries it uses (at least ``MIN_BOUNDARIES``),
+    and its ``max_seqlen`` to the bucket where the step's is longer (no sequence of the row can be).
+
+    Why: the varlen kernels launch a block per (sequence slot, ``max_seqlen`` tile, head), empty slots included;
+    at a bucket of 8192 tokens and ``max_seqlen`` the bucket (the first H100 run of issue 38) that was ~3.7M blocks
+    per attention kernel, most of them returning at once: the likely cause of that run's CUDA-graphed update taking
+    4x eager's time. A power of two keeps the boundary tensor to a few shapes per bucket (one graph each); the entries cut are all
+    repeats of the last (empty segments), so the row's segments do not change."""
+    if mb.num_tokens not in buckets:  # unpadded: cu_seqlens has exactly the entries it uses
+        return mb
+    used = len(mb.segment_lengths) + 1
+    keep = min(mb.cu_seqlens.numel(), _power_of_two(used, MIN_BOUNDARIES))
+    return replace(mb, cu_seqlens=mb.cu_seqlens[:keep], max_seqlen=min(mb.max_seqlen, mb.num_tokens))
 
 
 def plan_packed(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_tokens: int, *,
