@@ -37,22 +37,14 @@ def run_one(spec: dict) -> dict:
     """One GRPO run in this process (``--one``): per-step wall seconds and the run's evaluations."""
     sys.path.insert(0, str(ROOT))
     import fastgrpo.trainers.warm  # noqa: F401 (registers the warm model tiny:countdown)
+    from benchmarks.harness import clock_train_steps
     from fastgrpo.config import load_config
     from fastgrpo.trainers.grpo import Trainer
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", spec["overrides"])
     load_before = os.getloadavg()[0]
     trainer = Trainer(cfg)
-    step_seconds: list[float] = []
-    original = trainer.train_step
-
-    def timed_step():
-        t = time.perf_counter()
-        result = original()
-        step_seconds.append(time.perf_counter() - t)
-        return result
-
-    trainer.train_step = timed_step
+    step_seconds = clock_train_steps(trainer)
     t0 = time.perf_counter()
     try:
         trainer.run()

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_rollout import device_name  # noqa: E402
+from benchmarks.harness import clock_train_steps  # noqa: E402
 
 SEEDS_DIST = dict(min_numbers=3, max_numbers=4, max_value=99)
 """The seeds' Countdown problems (Countdown-Tasks-3to4): 3-4 numbers from 1..99."""
@@ -74,16 +75,7 @@ def run_one(name: str, overrides: list[str], *, out: Path, seeds_rows: list[dict
     max_tokens = cfg.rollout.max_completion_length
     before_seeds = _eval_on(trainer.model, trainer.tokenizer, seeds_rows, best_of_n=n, max_tokens=max_tokens,
                             seed=cfg.seed)
-    step_seconds = []
-    original = trainer.train_step
-
-    def timed_step():
-        t = time.perf_counter()
-        result = original()
-        step_seconds.append(time.perf_counter() - t)
-        return result
-
-    trainer.train_step = timed_step
+    step_seconds = clock_train_steps(trainer)
     t0 = time.perf_counter()
     trainer.run()
     wall = time.perf_counter() - t0

@@ -167,3 +167,19 @@ def time_alternating(fns: dict, *, reps: int, budget_s: float | None = None,
                 fn()
             times[name].append((time.perf_counter() - t0) / inner)
     return times
+
+
+def clock_train_steps(trainer) -> list[float]:
+    """Wrap ``trainer.train_step`` with a wall clock; the returned list fills with each step's seconds as the run
+    goes (evaluations, which run between steps, are outside it)."""
+    seconds: list[float] = []
+    original = trainer.train_step
+
+    def timed_step():
+        t = time.perf_counter()
+        result = original()
+        seconds.append(time.perf_counter() - t)
+        return result
+
+    trainer.train_step = timed_step
+    return seconds
