@@ -40,6 +40,17 @@ def _cfg(tmp_path: Path, name: str, *extra: str):
     return load_config(None, ASYNC + [f"output_dir={tmp_path}", f"name={name}", *extra])
 
 
+def _run_to_error(cfg, error: type[Exception]) -> str:
+    """Run a trainer that must stop with ``error``; the worker is cleaned up either way. Returns the message."""
+    trainer = Trainer(cfg)
+    try:
+        with pytest.raises(error) as e:
+            trainer.run()
+    finally:
+        trainer.close()
+    return str(e.value)
+
+
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_schedule_staleness_versions_and_importance_weights(tmp_path, monkeypatch, staleness):
     """Step k's batch is sampled from the weights of step max(0, k - max_staleness), as logged; where those differ
@@ -81,13 +92,7 @@ def test_planted_stale_worker_fails(tmp_path, monkeypatch, fault, message):
     """A worker that skips loading version 1: reporting the version it holds is refused by the staleness bound,
     claiming version 1 by the weights' fingerprint. Never trained on; the run saves and stops."""
     monkeypatch.setenv(FAULT_ENV, fault)
-    trainer = Trainer(_cfg(tmp_path, "run", "max_steps=4"))
-    try:
-        with pytest.raises(StaleRolloutError) as e:
-            trainer.run()
-    finally:
-        trainer.close()
-    text = str(e.value)
+    text = _run_to_error(_cfg(tmp_path, "run", "max_steps=4"), StaleRolloutError)
     assert message in text and "step 3" in text and "\n" not in text, text
     assert "run the same command again to resume" in text
     assert [r["step"] for r in _records(tmp_path / "run")] == [1, 2]  # step 3 was never trained
@@ -99,13 +104,7 @@ def test_worker_death_is_a_resumable_stop(tmp_path, monkeypatch):
     command resumes; the lost batch is generated again from the resumed weights (staleness 0), the next one as
     scheduled."""
     monkeypatch.setenv(FAULT_ENV, "die@2")
-    trainer = Trainer(_cfg(tmp_path, "run", "max_steps=4"))
-    try:
-        with pytest.raises(RolloutWorkerError) as e:
-            trainer.run()
-    finally:
-        trainer.close()
-    text = str(e.value)
+    text = _run_to_error(_cfg(tmp_path, "run", "max_steps=4"), RolloutWorkerError)
     assert "exited with code 3" in text and "step 3" in text and "saved step 2" in text and "\n" not in text, text
     state = torch.load(tmp_path / "run" / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)
     assert [(b["batch"], b["completions"]) for b in state["async_rollout"]] == [(2, None)]  # saved as lost
