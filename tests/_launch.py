@@ -54,8 +54,17 @@ def run_cli(module: str, args: list[str], env_extra: dict | None = None,
     import sys
 
     env = dict(os.environ, **(env_extra or {}))
+    # An ignored SIGINT is inherited across exec, and a Python started with it ignored never raises
+    # KeyboardInterrupt: if anything earlier in this pytest process set SIG_IGN (an in-process engine's or worker's
+    # set-up), the SIGINT tests of the child would see it exit 0. The child starts with the default disposition.
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+                          timeout=timeout, preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def assert_same_weights(folder_a: Path, folder_b: Path) -> None:
