@@ -65,6 +65,7 @@ def _default_sigint() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a blocked signal is inherited too
 
 
 def assert_same_weights(folder_a: Path, folder_b: Path) -> None:
