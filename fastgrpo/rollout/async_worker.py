@@ -221,12 +221,6 @@ def _worker_main(spec: WorkerSpec, slots: list[list[torch.Tensor]], requests, re
         results.put(("error", traceback.format_exc()))
 
 
-@dataclass
-class _Pushed:
-    fingerprint: int
-    slot: int
-
-
 class AsyncRollout:
     """The trainer's side: starts the worker, pushes weight versions, sends requests, receives and checks batches.
 
@@ -245,8 +239,8 @@ class AsyncRollout:
         self.names = [clean_param_name(n) for n, _ in named]
         self.slots = [[torch.empty_like(p.detach(), device="cpu").share_memory_() for _, p in named]
                       for _ in range(max_staleness)]
-        self.pushed: dict[int, _Pushed] = {}
-        """Versions in the slots."""
+        self.pushed: set[int] = set()
+        """Versions in the slots (version v in slot ``v % max_staleness``)."""
         self.fingerprints: dict[int, int] = {}
         """Every version pushed -> its weights' fingerprint."""
         self.in_flight: list[Batch] = []
@@ -276,16 +270,15 @@ class AsyncRollout:
         params = [p.detach() for _, p in trained_parameters(model)]
         with torch.no_grad():
             torch._foreach_copy_(self.slots[slot], params)
-        self.pushed = {v: p for v, p in self.pushed.items() if p.slot != slot}
-        self.pushed[version] = _Pushed(weight_fingerprint(params), slot)
-        self.fingerprints[version] = self.pushed[version].fingerprint
+        self.pushed = {v for v in self.pushed if v % self.max_staleness != slot} | {version}
+        self.fingerprints[version] = weight_fingerprint(params)
 
     def submit(self, batch: Batch, prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
         """Ask for ``batch`` with its version's weights (pushed before)."""
         if batch.version not in self.pushed:
             raise RuntimeError(f"async rollout: version {batch.version} was not pushed")
         self.in_flight.append(batch)
-        self.requests.put(Request(batch=batch.batch, version=batch.version, slot=self.pushed[batch.version].slot,
+        self.requests.put(Request(batch=batch.batch, version=batch.version, slot=batch.version % self.max_staleness,
                                   prompts=prompts, n=n, sampling=sampling))
 
     def restore(self, batch: Batch) -> None:
