@@ -69,7 +69,8 @@ def launch(runs: dict[str, list[str]], extra: list[str], *, out: Path, parallel:
 
 
 def summarize(folder: Path) -> dict:
-    """Before/after greedy accuracy and per-step timings of one run folder."""
+    """Before/after greedy accuracy, the accuracy at every evaluation (``curve``: step -> accuracy) and per-step
+    timings of one run folder."""
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in records if "eval/greedy_acc" in r]
     steps = [r for r in records if "time/rollout_s" in r]
@@ -80,20 +81,23 @@ def summarize(folder: Path) -> dict:
 
     return {"before": evals[0]["eval/greedy_acc"] if evals and evals[0]["step"] == 0 else None,
             "after": evals[-1]["eval/greedy_acc"] if evals and evals[-1]["step"] > 0 else None,
+            "curve": {int(r["step"]): r["eval/greedy_acc"] for r in evals},
             "steps": len(steps), "rollout_s": spread("time/rollout_s"), "update_s": spread("time/update_s"),
             "train_reward_first_last": [steps[0]["reward/mean"], steps[-1]["reward/mean"]] if steps else []}
 
 
 def table(results: dict[str, dict]) -> str:
     lines = ["| run | held-out greedy before | after | change (points) | steps | rollout s/step, median (range) | "
-             "update s/step, median (range) | rollout + update, whole run (min) |", "|---|---|---|---|---|---|---|---|"]
+             "update s/step, median (range) | rollout + update, whole run (min) | greedy at each evaluation (step: %) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         ro, up = r["rollout_s"], r["update_s"]
         done = r["before"] is not None and r["after"] is not None
         change = f"{100 * (r['after'] - r['before']):+.1f}" if done else "n/a"
         fmt = (lambda x: f"{x[0]:.1f} ({x[1]:.1f}-{x[2]:.1f})" if x else "n/a")
+        curve = ", ".join(f"{step}: {100 * acc:.1f}" for step, acc in sorted(r.get("curve", {}).items()))
         lines.append(f"| {name} | {_pct(r['before'])} | {_pct(r['after'])} | {change} | {r['steps']} | {fmt(ro)} | "
-                     f"{fmt(up)} | {(ro[3] + up[3]) / 60:.1f} |" if ro and up else f"| {name} | n/a |")
+                     f"{fmt(up)} | {(ro[3] + up[3]) / 60:.1f} | {curve} |" if ro and up else f"| {name} | n/a |")
     seeds = [r for n, r in results.items()
              if n.startswith("seed") and r["before"] is not None and r["after"] is not None]
     if len(seeds) > 1:
@@ -101,6 +105,11 @@ def table(results: dict[str, dict]) -> str:
         lines.append(f"\nseeds: after {100 * statistics.mean(r['after'] for r in seeds):.1f}% +- "
                      f"{100 * statistics.stdev(r['after'] for r in seeds):.1f} (mean +- sd), change "
                      f"{statistics.mean(gains):+.1f} points ({', '.join(f'{g:+.1f}' for g in gains)})")
+    for step in sorted({k for r in seeds for k in r.get("curve", {})} - {0}):
+        at = [r["curve"][step] for r in seeds if step in r.get("curve", {})]
+        if len(at) == len(seeds) > 1:
+            lines.append(f"seeds at step {step}: {100 * statistics.mean(at):.1f}% +- {100 * statistics.stdev(at):.1f}, "
+                         f"change {100 * statistics.mean(a - r['before'] for a, r in zip(at, seeds)):+.1f} points")
     return "\n".join(lines)
 
 

@@ -53,6 +53,21 @@ def test_learning_report_reads_start_end_and_step_times_from_metrics(tmp_path):
     assert results["control"]["before"] is None and results["control"]["after"] == 0.125
     text = bench_real_model.table(results)
     assert "| seed0 | 25.0% | 50.0% | +25.0 | 2 |" in text
+    assert results["seed0"]["curve"] == {0: 0.25, 2: 0.5} and text.splitlines()[2].endswith("| 0: 25.0, 2: 50.0 |")
+
+
+def test_learning_report_gives_the_seeds_mean_at_every_evaluation_step(tmp_path):
+    from benchmarks import bench_real_model
+
+    for name, accs in (("seed0", [0.25, 0.5, 0.75]), ("seed1", [0.25, 0.25, 0.5])):
+        (tmp_path / name).mkdir()
+        records = [{"step": 0, "eval/greedy_acc": accs[0]}] + [
+            {"step": k, "time/rollout_s": 1.0, "time/update_s": 1.0, "reward/mean": 0.0, "eval/greedy_acc": accs[k]}
+            for k in (1, 2)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = bench_real_model.table({n: bench_real_model.summarize(tmp_path / n) for n in ("seed0", "seed1")})
+    assert "seeds at step 1: 37.5% +- 17.7, change +12.5 points" in text
+    assert "seeds at step 2: 62.5% +- 17.7, change +37.5 points" in text
 
 
 def test_the_control_negates_every_reward_function_of_the_config():

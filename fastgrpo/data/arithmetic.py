@@ -9,9 +9,13 @@ digit: 1..9); the operator is drawn uniformly from ``ops`` (keys of :data:`OPERA
 operand first, so every result is a non-negative integer. ``a + b`` and ``b + a`` (``a * b`` and ``b * a``) are one
 problem (:func:`problem_key`), so a held-out problem never reaches training with its operands swapped.
 
-Why this task: SmolLM2-135M-Instruct, asked "What is 29 * 8? Answer with just the number.", writes
-``"29 * 8 = 216"`` and often goes on talking; greedy, it is right on about a fifth of two-digit by one-digit
-products and on about one in twenty two-digit sums (measured through the hf engine, benchmarks/RESULTS.md).
+Why this task (configs/smollm2.yaml: two-digit sums): SmolLM2-135M-Instruct, asked "What is 65 + 15? Answer with
+just the number.", mostly does not answer: it starts an explanation ("To calculate 84 + 18, you need to add the
+numbers themselves and then take") and runs past any length limit, and when it does write a sum it is often wrong
+("66 + 52 = 21"). Greedy, it is right on about one two-digit sum in ten. Both failures are ones a policy gradient
+can move within minutes on a CPU: after a few GRPO steps it writes "63 + 79 = 142" and stops. Two-digit by one-digit
+products (``ops: ["*"]``, ``digits: [2, 1]``) start higher (about 30%) and gain less (benchmarks/RESULTS.md, section
+"A real pretrained model").
 """
 
 from __future__ import annotations
