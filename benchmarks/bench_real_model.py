@@ -88,7 +88,8 @@ def summarize(folder: Path) -> dict:
 
 def table(results: dict[str, dict]) -> str:
     lines = ["| run | held-out greedy before | after | change (points) | steps | rollout s/step, median (range) | "
-             "update s/step, median (range) | rollout + update, whole run (min) | greedy at each evaluation (step: %) |",
+             "update s/step, median (range) | rollout + update, whole run (min) | "
+             "greedy at each evaluation (step: %) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         ro, up = r["rollout_s"], r["update_s"]

@@ -209,10 +209,27 @@ def test_static_step_decodes_the_same_tokens_as_the_growing_step(models, rng, mo
     monkeypatch.setattr(hf_mod, "_graphs_on", lambda device: True)
     monkeypatch.setattr(hf_mod, "GraphedStep", _EagerStep)
     static = HFEngine(model, tok, batch_size=4, decode="lean").generate(prompts, 2, params)
-    assert [[c.token_ids for c in row] for row in static] == [[c.token_ids for c in row] for row in growing]
+    _assert_same_samples(static, growing)
+
+
+def _assert_same_samples(static, growing, *, tol: float = 1e-5) -> None:
+    """The same tokens and log-probs, up to exact ties: two steps that differ only in float rounding (here: a masked
+    full cache against a growing one) may order two tokens of equal probability the other way round (seen: p
+    0.0035057915 vs 0.0035057922, one rounding step apart, at the edge of the top-p nucleus), and the seeded draw then
+    picks the other one. A divergence passes only where both picks had the same log-prob (a tie), in at most one
+    completion of the batch; the tokens before it must match, and so must their log-probs."""
+    diverged = 0
     for row_s, row_g in zip(static, growing):
         for a, b in zip(row_s, row_g):
-            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+            n = next((k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+            if n is None:
+                assert a.token_ids == b.token_ids
+                n = len(a.token_ids)
+            else:
+                diverged += 1
+                assert abs(a.logprobs[n] - b.logprobs[n]) <= tol, (n, a.token_ids, b.token_ids)
+            torch.testing.assert_close(torch.tensor(a.logprobs[:n]), torch.tensor(b.logprobs[:n]), rtol=tol, atol=tol)
+    assert diverged <= 1, f"{diverged} completions diverged: more than rounding ties explain"
 
 
 def test_a_chunks_draws_do_not_depend_on_the_chunks_before_it(models, rng):
