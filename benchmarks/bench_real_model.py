@@ -96,7 +96,7 @@ def table(results: dict[str, dict]) -> str:
         done = r["before"] is not None and r["after"] is not None
         change = f"{100 * (r['after'] - r['before']):+.1f}" if done else "n/a"
         fmt = (lambda x: f"{x[0]:.1f} ({x[1]:.1f}-{x[2]:.1f})" if x else "n/a")
-        curve = ", ".join(f"{step}: {100 * acc:.1f}" for step, acc in sorted(r.get("curve", {}).items()))
+        curve = ", ".join(f"{step}: {100 * acc:.1f}" for step, acc in sorted(r["curve"].items()))
         lines.append(f"| {name} | {_pct(r['before'])} | {_pct(r['after'])} | {change} | {r['steps']} | {fmt(ro)} | "
                      f"{fmt(up)} | {(ro[3] + up[3]) / 60:.1f} | {curve} |" if ro and up else f"| {name} | n/a |")
     seeds = [r for n, r in results.items()
@@ -106,8 +106,8 @@ def table(results: dict[str, dict]) -> str:
         lines.append(f"\nseeds: after {100 * statistics.mean(r['after'] for r in seeds):.1f}% +- "
                      f"{100 * statistics.stdev(r['after'] for r in seeds):.1f} (mean +- sd), change "
                      f"{statistics.mean(gains):+.1f} points ({', '.join(f'{g:+.1f}' for g in gains)})")
-    for step in sorted({k for r in seeds for k in r.get("curve", {})} - {0}):
-        at = [r["curve"][step] for r in seeds if step in r.get("curve", {})]
+    for step in sorted({k for r in seeds for k in r["curve"]} - {0}):
+        at = [r["curve"][step] for r in seeds if step in r["curve"]]
         if len(at) == len(seeds) > 1:
             lines.append(f"seeds at step {step}: {100 * statistics.mean(at):.1f}% +- {100 * statistics.stdev(at):.1f}, "
                          f"change {100 * statistics.mean(a - r['before'] for a, r in zip(at, seeds)):+.1f} points")
