@@ -4,7 +4,8 @@ one-GPU default), bf16 compute weights with float32 masters, + compiled blocks (
 Per work (S sequences of prompt P + completion L tokens) and variant: seconds per update (median of the timed
 updates after warm-up) and of its optimizer step alone, MFU (``fastgrpo.runtime.metrics.update_flops`` / time / the
 card's bf16 peak), peak memory and what stays allocated between updates, the compile counters (graph breaks, graphs
-compiled) and the CUDA-graph counters of eager blocks (row shapes captured, block calls replayed) after the run. A
+compiled) and the CUDA-graph counters of eager blocks (row shapes captured, block calls replayed) and of the head
+loss (row counts captured, head calls replayed) after the run. A
 variant that fails is a row with the error's first line, and its whole traceback (dynamo's explanation included)
 goes to the output. ``--profile`` variants also get one more update under torch.profiler: the kernels launched, the
 device's busy time against the update's wall time (a gap is host dispatch), and the top kernels by device time.
@@ -64,6 +65,9 @@ def variants(budget: int) -> dict[str, dict]:
         "bf16-masters": {"master_weights": True},
         "bf16-masters+compile": {"master_weights": True, "compile": True},
         "bf16-masters+graphs": {"master_weights": True, "cuda_graphs": True, "token_buckets": buckets},
+        # the blocks graphed, the head loss eager (the graphed variant before 2026-11-27)
+        "bf16-masters+block-graphs": {"master_weights": True, "cuda_graphs": True, "cuda_graphs_head": False,
+                                      "token_buckets": buckets},
         "compile": {"compile": True},
         "bf16-masters+compile+graphs": {"master_weights": True, "compile": True, "cuda_graphs": True},
         "bf16-masters+buckets": {"master_weights": True, "token_buckets": buckets},
@@ -84,6 +88,8 @@ class Row:
     graphs: int = 0
     captured: int = 0
     replays: int = 0
+    head_captured: int = 0
+    head_replays: int = 0
     error: str = ""
 
 
@@ -206,20 +212,23 @@ def run(folder: Path, work: str, variant: str, fields: dict, *, device: torch.de
     graphs = getattr(transformer_blocks(model), "block_graphs", None) if model is not None else None
     if graphs is not None:
         row.captured, row.replays = graphs.captures, graphs.replays
+    heads = getattr(model, "head_graphs", None) if model is not None else None
+    if heads is not None:
+        row.head_captured, row.head_replays = heads.captures, heads.replays
     return row
 
 
 def table(rows: list[Row]) -> str:
     lines = ["| work | variant | tokens | update s | optimizer s | MFU | peak GiB | held GiB | graph breaks | "
-             "graphs compiled | CUDA graph shapes (replays) | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "graphs compiled | CUDA graph shapes (replays) | head graph shapes (replays) | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def fmt(x, f):
             return "n/a" if x is None else format(x, f)
         lines.append(f"| {r.work} | {r.variant} | {r.tokens:,} | {fmt(r.update_s, '.4f')} | "
                      f"{fmt(r.optimizer_s, '.4f')} | {'n/a' if r.mfu is None else f'{100 * r.mfu:.1f}%'} | "
                      f"{fmt(r.peak_gib, '.2f')} | {fmt(r.held_gib, '.2f')} | {r.graph_breaks} | {r.graphs} | "
-                     f"{r.captured} ({r.replays:,}) | {r.error} |")
+                     f"{r.captured} ({r.replays:,}) | {r.head_captured} ({r.head_replays:,}) | {r.error} |")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ from fastgrpo.kernels import linear_logprobs, resolve_backend
 from fastgrpo.models.packing import MicroBatch
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update.guard import NonFiniteGuard
+from fastgrpo.update.head import TokenHead
 from fastgrpo.update.step import gather_ints, optimizer_update, plan_step
 
 __all__ = ["sft_update", "sft_weights"]
@@ -52,9 +53,15 @@ def sft_update(model: torch.nn.Module, prompt_ids: list[list[int]], completion_i
     # (it forms the GRPO loss's gradient in forward): resolve as for log-probs, a recompute path on CUDA.
     backend = resolve_backend(head_backend, device, needs_grad=False)
 
-    def head_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor):  # hidden [n, H], weight [V, H]
-        nll = -linear_logprobs(hidden, weight, mb.targets, backend=backend)  # [n]
-        return (weights[mb.flat_index] * nll).sum(), {"sft/nll": nll.detach().mean()}
+    def compute(hidden: torch.Tensor, weight: torch.Tensor, *, targets: torch.Tensor, weights: torch.Tensor):
+        nll = -linear_logprobs(hidden, weight, targets, backend=backend)  # [n]; hidden [n, H], weight [V, H]
+        counted = weights != 0  # every real token (a weight is 1 / a count); a graph's padding rows are 0
+        mean_nll = (nll.detach() * counted).sum() / counted.sum().clamp(min=1)
+        return (weights * nll).sum(), {"sft/nll": mean_nll}
+
+    # a TokenHead (fastgrpo.update.head): a CUDA graph can replay compute on padded rows
+    head_loss = TokenHead(compute=compute, key=("sft", backend),
+                          gather=lambda mb: {"targets": mb.targets, "weights": weights[mb.flat_index]})
 
     model.train()
     optimizer_update(model, mbs, head_loss, optimizer=optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm,

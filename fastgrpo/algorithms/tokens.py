@@ -9,7 +9,8 @@ tokens of one micro-batch, H hidden size, V vocabulary size.
     TokenInputs.build   weights, advantages, old / reference log-probs; the policy term's weights times its factors
                         (entropy mask, importance weights), the KL term's kept apart where they differ
     PolicyObjective     the fused loss's settings read once from the config (grpo, rollout), and ``head_loss``: the
-                        closure ``optimizer_update`` runs per micro-batch, logging the policy's statistics
+                        head ``optimizer_update`` runs per micro-batch, logging the policy's statistics (a
+                        ``TokenHead``: gathered per-token tensors + a function of them, which a CUDA graph replays)
 
 As in TRL, the entropy mask and the importance weights scale the policy term only: the KL term keeps the plain
 normaliser, and so do GSPO's sequence means, which count every token.
@@ -26,7 +27,8 @@ from fastgrpo.config import GRPOConfig, RolloutConfig
 from fastgrpo.kernels import POLICY_LOSSES, linear_grpo_loss, resolve_backend
 from fastgrpo.models.packing import MicroBatch
 from fastgrpo.runtime.metrics import StepMetrics
-from fastgrpo.update.step import HeadLoss, StepPlan
+from fastgrpo.update.head import TokenHead
+from fastgrpo.update.step import StepPlan
 
 __all__ = ["POLICY_STATS", "PolicyObjective", "SequenceBatch", "TokenInputs", "importance_weights",
            "loss_type_weights"]
@@ -100,10 +102,6 @@ class TokenInputs:
                    ref_logprobs=ref_logprobs)
 
 
-def _at(vec: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
-    return None if vec is None else vec[index]
-
-
 @dataclass(frozen=True, kw_only=True)
 class PolicyObjective:
     """The fused GRPO-family loss's settings for a run, read once from its config."""
@@ -137,22 +135,34 @@ class PolicyObjective:
         """Whether the KL term or the sequence means read weights of their own (see ``TokenInputs.build``)."""
         return self.kernel["beta"] != 0.0 or self.sequence_level
 
-    def head_loss(self, inputs: TokenInputs, sequence_index: dict[int, torch.Tensor] | None = None) -> HeadLoss:
+    def head_loss(self, inputs: TokenInputs, sequence_index: dict[int, torch.Tensor] | None = None) -> TokenHead:
         """``head_loss(mb, hidden [n, H], weight [V, H]) -> (loss, stats)`` of ``inputs`` for ``optimizer_update``;
         ``sequence_index``: ``id(mb)`` -> [n] sequence numbers (GSPO). Stats: ``policy/<POLICY_STATS>`` and
-        ``policy/entropy`` over the tokens that get loss."""
+        ``policy/entropy`` over the tokens that get loss. A :class:`TokenHead`: rows whose tensors are all 0 (token
+        weights 0) add nothing, so a CUDA graph can run it on padded rows."""
         ref = inputs.ref_logprobs if self.kernel["beta"] != 0.0 else None
         numbers = sequence_index or {}
+        per_token = {"advantages": inputs.advantages, "weights": inputs.weights, "old_logprobs": inputs.old_logprobs,
+                     "ref_logprobs": ref, "kl_weights": inputs.kl_weights}
 
-        def head_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor):  # hidden [n, H], weight [V, H]
+        def gather(mb: MicroBatch) -> dict[str, torch.Tensor]:
             i = mb.flat_index  # [n] into the batch's flat layout
-            w = inputs.weights[i]  # [n]
-            loss, stats = linear_grpo_loss(
-                hidden, weight, mb.targets, inputs.advantages[i], w, old_logprobs=_at(inputs.old_logprobs, i),
-                ref_logprobs=_at(ref, i), kl_token_weights=_at(inputs.kl_weights, i),
-                sequence_index=numbers.get(id(mb)), **self.kernel)
-            counted = w != 0
-            entropy = (stats["entropy"] * counted).sum() / counted.sum().clamp(min=1)  # over tokens that get loss
-            return loss, {**{f"policy/{k}": stats[k] for k in POLICY_STATS if k in stats}, "policy/entropy": entropy}
+            out = {"targets": mb.targets, **{k: v[i] for k, v in per_token.items() if v is not None}}
+            if id(mb) in numbers:
+                out["sequence_index"] = numbers[id(mb)]
+            return out
 
-        return head_loss
+        key = ("policy", self.sequence_level, tuple(sorted(self.kernel.items())))
+        return TokenHead(compute=self.compute_loss, gather=gather, key=key)
+
+    def compute_loss(self, hidden: torch.Tensor, weight: torch.Tensor, *, targets: torch.Tensor,
+                     advantages: torch.Tensor, weights: torch.Tensor, old_logprobs: torch.Tensor | None = None,
+                     ref_logprobs: torch.Tensor | None = None, kl_weights: torch.Tensor | None = None,
+                     sequence_index: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The fused loss of one micro-batch's rows (hidden [n, H], weight [V, H], the rest [n]) and its stats."""
+        loss, stats = linear_grpo_loss(
+            hidden, weight, targets, advantages, weights, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+            kl_token_weights=kl_weights, sequence_index=sequence_index, **self.kernel)
+        counted = weights != 0
+        entropy = (stats["entropy"] * counted).sum() / counted.sum().clamp(min=1)  # over tokens that get loss
+        return loss, {**{f"policy/{k}": stats[k] for k in POLICY_STATS if k in stats}, "policy/entropy": entropy}

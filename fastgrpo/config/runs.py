@@ -32,7 +32,7 @@ def registered(source: str, name: str) -> Any:
 RESUMABLE_KEYS = (
     "name", "output_dir", "max_steps", "device", "malloc_mmap_threshold", "checkpoint.", "eval.", "log.",
     "parallel.fsdp", "parallel.one_gpu", "parallel.cpu_offload", "parallel.activation_checkpointing",
-    "parallel.compile", "parallel.token_buckets", "parallel.cuda_graphs",
+    "parallel.compile", "parallel.token_buckets", "parallel.cuda_graphs", "parallel.cuda_graphs_head",
     "model.attn_implementation", "optim.max_nonfinite_steps", "optim.implementation", "rewards.sandbox",
     "rewards.num_workers", "rewards.timeout_s", "rollout.env.num_workers", "rollout.env.timeout_s", "rollout.engine", "rollout.hf.",
     "rollout.async_threads", "rollout.async_timeout_s",

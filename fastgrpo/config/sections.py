@@ -531,6 +531,9 @@ class ParallelConfig:
     cuda_graphs: bool = False
     """One plain GPU: replay the blocks' forward and backward from CUDA graphs captured per token bucket (a row that
     fits no bucket runs eagerly); with compile, inductor's graphs (mode reduce-overhead); else needs token_buckets."""
+    cuda_graphs_head: bool = True
+    """With cuda_graphs: also replay the policy's (or SFT's) head loss, forward and backward, from CUDA graphs
+    captured per padded target-row count (the rows padded with zero-weight rows); false runs the head eagerly."""
 
     def validate(self, p: str) -> None:
         check(all(isinstance(b, int) and b >= 2 for b in self.token_buckets), f"{p}.token_buckets",

@@ -292,12 +292,16 @@ def packed_head_forward(model: torch.nn.Module, mb: MicroBatch,
     """
     trunk, lm_head = get_trunk_and_head(model)  # rejects models whose logits are not hidden @ weight.T
     dtype = getattr(model, "autocast_dtype", None)  # one plain GPU: float32 masters, compute in bf16
+    graphs = getattr(model, "head_graphs", None)  # parallel.cuda_graphs: fastgrpo.update.cuda_graphs.HeadGraphs
     if dtype is None:
         hidden = packed_hidden_states(trunk, mb)  # [N, H]
+    else:
+        with torch.autocast(lm_head.weight.device.type, dtype=dtype):
+            hidden = packed_hidden_states(trunk, mb)  # [N, H]; float32 where the residual stream is (as under AMP)
+    if graphs is not None:  # the same call, replayed from a CUDA graph where it can be
+        return graphs.forward(head, hidden, dtype)
+    if dtype is None:
         return head(hidden, lm_head.weight)  # weight: [V, H]
-    device_type = lm_head.weight.device.type
-    with torch.autocast(device_type, dtype=dtype):
-        hidden = packed_hidden_states(trunk, mb)  # [N, H]; float32 where the residual stream is (as under AMP)
     # The head runs outside autocast on both operands cast (differentiably) to the compute dtype, as an autocast
     # lm_head would: the kernels reduce in float32 themselves, and the weight's gradient lands in float32.
     return head(hidden.to(dtype), lm_head.weight.to(dtype))

@@ -83,7 +83,8 @@ WARM_RECIPES: dict[str, list[str]] = {
 
 _LATER_KEYS = (("optim", "implementation", "auto"), ("model", "gguf_file", None), ("data", "digits", [2, 2]),
                ("data", "ops", ["+"]), ("parallel", "token_buckets", []), ("parallel", "master_weights", False),
-               ("parallel", "cuda_graphs", False), ("rollout", "asynchronous", False), ("rollout", "max_staleness", 1),
+               ("parallel", "cuda_graphs", False), ("parallel", "cuda_graphs_head", True),
+               ("rollout", "asynchronous", False), ("rollout", "max_staleness", 1),
                ("rollout", "async_threads", None), ("rollout", "async_timeout_s", 600.0))
 """(section, key, value): config keys added after warm models were first cached, whose value here reproduces what
 the builds did before the key existed; left out of the cache key while they hold that value."""

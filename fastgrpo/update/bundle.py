@@ -10,7 +10,8 @@ import torch
 from fastgrpo.config import OptimConfig, ParallelConfig
 from fastgrpo.distributed.parallelize import parallelize_model, transformer_blocks
 from fastgrpo.models.lora import trainable_parameters
-from fastgrpo.update.cuda_graphs import graph_blocks
+from fastgrpo.models.loading import get_trunk_and_head
+from fastgrpo.update.cuda_graphs import GradientBuffers, graph_blocks, graph_head
 from fastgrpo.update.guard import NonFiniteGuard
 from fastgrpo.update.optim import build_adamw, build_scheduler
 
@@ -44,6 +45,10 @@ def build_trained(model: torch.nn.Module, *, parallel: ParallelConfig, optim: Op
     model = parallelize_model(model, parallel, device=device, world_size=world_size)
     if parallel.cuda_graphs and not parallel.compile:  # (compiled blocks are graphed by inductor: parallelize)
         graph_blocks(transformer_blocks(model), parallel.token_buckets)
+    if parallel.cuda_graphs and parallel.cuda_graphs_head:  # the head loss per padded row count (a TokenHead's)
+        graph_head(model, get_trunk_and_head(model)[1])
+    if parallel.cuda_graphs:  # a graphed backward's static gradients must not become .grad (update.cuda_graphs)
+        model.gradient_buffers = GradientBuffers(trainable_parameters(model))
     # optim.implementation 'auto': fused on CUDA (one pass over the weights and moments per step), foreach on a CPU
     # (a handful of multi-tensor ops; torch's CPU default is a loop of several ops per parameter)
     optimizer = build_adamw(trainable_parameters(model), optim, device, lr=lr, master_weights=parallel.master_weights)

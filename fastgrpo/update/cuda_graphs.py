@@ -27,8 +27,24 @@ With ``parallel.compile`` too, the blocks are compiled with ``mode="reduce-overh
 graph trees: the same per-shape capture, warm-up and shared pool, on the compiled kernels); see
 ``fastgrpo.distributed.parallelize``.
 
-Not graphed: the embedding, the final norm and the head loss (the loss reads a different number of target tokens
-per row; graphing it needs the target index padded too), and the optimizer step.
+The head loss (:class:`HeadGraphs`, ``parallel.cuda_graphs_head``, on by default with ``cuda_graphs``): a
+:class:`fastgrpo.update.head.TokenHead` (the GRPO / PPO policy loss, SFT's) runs its ``compute`` on the micro-batch's
+target rows padded with zero rows to :func:`fastgrpo.update.head.padded_rows` (a few counts per octave; zero rows add
+nothing to the loss, the gradients or the stats), so each (head key, row count, dtypes) is one graph of the head's
+forward and backward: the chunked log-softmax, the loss and its gradient in hidden states and the head's weight. The
+head graphs keep a memory pool of their own (they are captured after, and replayed between, the blocks' forward and
+backward graphs, an order a shared pool does not allow). A head that is not a ``TokenHead`` (PPO's value head), a
+forward without gradients and a head beyond ``max_shapes`` distinct shapes run eagerly.
+
+Not graphed: the embedding, the final norm, the gather of the target rows, and the optimizer step.
+
+Gradients (:class:`GradientBuffers`, installed by ``build_trained`` with ``cuda_graphs``): a graphed backward hands
+autograd its *static* gradient buffers, and autograd makes the first one a parameter's ``.grad`` outright (it
+"steals" a gradient nobody else seems to hold), so the next replay of that graph overwrites the ``.grad`` before
+adding to it: two micro-batches of one shape in an update gave twice the second one's gradient instead of the sum
+(pytorch/pytorch#181723, open; the blocks' graphs had it until 2026-11-27, in the H200 figures at 64 sequences, where
+4 micro-batches share 2 shapes). Every trainable parameter therefore gets a zeroed ``.grad`` buffer of its own
+before an update's first backward, which autograd adds into in place and never replaces.
 
 Needs a GPU: tests/test_cuda_graphs.py skips without one; ``make bench-gpu`` measures it.
 """
@@ -44,8 +60,9 @@ import torch
 from torch import nn
 
 from fastgrpo.models.packing import check_buckets
+from fastgrpo.update.head import BoundHead, pad_rows, padded_rows
 
-__all__ = ["BlockGraphs", "graph_blocks"]
+__all__ = ["BlockGraphs", "GradientBuffers", "HeadGraphs", "graph_blocks", "graph_head"]
 
 
 class _BlockCall(nn.Module):
@@ -163,3 +180,137 @@ def graph_blocks(blocks: nn.ModuleList, buckets: Sequence[int], *, warmup_iters:
         block.forward = types.MethodType(forward, block)
     blocks.block_graphs = graphs
     return graphs
+
+
+class _HeadCall(nn.Module):
+    """A TokenHead's ``compute`` as a function of tensors only (what capture takes): hidden ``[n', H]`` and the
+    gathered tensors ``[n']`` in ``names`` order -> ``(loss, stats [K])``; the head's weight is the registered
+    ``lm_head``'s, cast to ``dtype`` inside the graph when the weights are float32 under autocast (as
+    ``packed_head_forward`` casts it)."""
+
+    def __init__(self, lm_head: nn.Module, compute: Callable, names: tuple[str, ...],
+                 dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.lm_head = lm_head  # registered so that capture sees its weight (tied: the embedding's)
+        self.compute, self.names, self.dtype = compute, names, dtype
+        self.stat_names: tuple[str, ...] | None = None  # set by the first call (warm-up)
+
+    def forward(self, hidden: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = self.lm_head.weight
+        if self.dtype is not None:
+            hidden, weight = hidden.to(self.dtype), weight.to(self.dtype)
+        loss, stats = self.compute(hidden, weight, **dict(zip(self.names, tensors)))
+        self.stat_names = tuple(stats)
+        return loss, torch.stack([s.detach().float().reshape(()) for s in stats.values()])  # [K]
+
+
+@dataclass(frozen=True)
+class _HeadShape:
+    """What a captured head graph is specific to."""
+
+    key: Any  # TokenHead.key
+    rows: int  # n'
+    names: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]  # hidden's, then each gathered tensor's
+    cast: torch.dtype | None  # the compute dtype the head casts to (float32 weights under autocast), else None
+    weight_requires_grad: bool
+
+
+class HeadGraphs:
+    """The graphs of a model's TokenHead losses, per :class:`_HeadShape` (module doc)."""
+
+    def __init__(self, lm_head: nn.Module, *, warmup_iters: int = 3, max_shapes: int = 12) -> None:
+        self.lm_head = lm_head
+        self.warmup_iters = warmup_iters
+        self.max_shapes = max_shapes
+        self.graphed: dict[_HeadShape, tuple[Callable, _HeadCall]] = {}
+        self.pool = None  # the head graphs' own pool (module doc)
+        self.captures = 0
+        """Head shapes captured."""
+        self.replays = 0
+        """Head calls served by a graph."""
+        self.eager_calls = 0
+        """Head calls run eagerly (not a TokenHead, no gradients, not CUDA, beyond ``max_shapes``, no rows)."""
+
+    def takes(self, head: Any, hidden: torch.Tensor) -> bool:
+        """Whether ``head`` (what ``packed_forward`` got) on ``hidden`` [n, H] replays from a graph."""
+        return (isinstance(head, BoundHead) and hidden.is_cuda and torch.is_grad_enabled()
+                and hidden.shape[0] > 0 and not torch.is_autocast_enabled("cuda"))
+
+    def forward(self, head: Callable, hidden: torch.Tensor, dtype: torch.dtype | None):
+        """``head(hidden, lm_head.weight)``, both cast to ``dtype`` when not None: from the graph of its shape
+        (captured on its first call) when :meth:`takes` it and it is one of the first ``max_shapes`` shapes, else
+        eagerly. A graphed call returns ``(loss, stats)`` of the real rows as fresh tensors (a replay overwrites the
+        graph's outputs)."""
+        if not self.takes(head, hidden):
+            return self._eager(head, hidden, dtype)
+        weight = self.lm_head.weight
+        tensors = head.head.gather(head.mb)
+        n = hidden.shape[0]
+        rows = padded_rows(n)
+        names = tuple(sorted(tensors))
+        shape = _HeadShape(head.head.key, rows, names, (hidden.dtype, *(tensors[k].dtype for k in names)), dtype,
+                           weight.requires_grad)
+        entry = self.graphed.get(shape)
+        if entry is None and len(self.graphed) >= self.max_shapes:
+            return self._eager(head, hidden, dtype)
+        args = (pad_rows(hidden, rows), *(pad_rows(tensors[k], rows) for k in names))
+        if entry is None:
+            entry = self.capture(shape, head.head.compute, args)
+        graphed, call = entry
+        self.replays += 1
+        loss, stats = graphed(*args)
+        stats = stats.clone()  # [K]
+        return loss.clone(), dict(zip(call.stat_names, stats.unbind()))
+
+    def _eager(self, head: Callable, hidden: torch.Tensor, dtype: torch.dtype | None):
+        self.eager_calls += 1
+        weight = self.lm_head.weight
+        return head(hidden, weight) if dtype is None else head(hidden.to(dtype), weight.to(dtype))
+
+    def capture(self, shape: _HeadShape, compute: Callable, args: tuple[torch.Tensor, ...]):
+        """Capture ``compute``'s forward and backward for ``shape`` with sample inputs like ``args``."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        call = _HeadCall(self.lm_head, compute, shape.names, shape.cast)
+        # fresh static input buffers (a replay copies the real inputs in); the sample rows are the real ones
+        samples = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+        graphed = torch.cuda.make_graphed_callables(call, samples, num_warmup_iters=self.warmup_iters,
+                                                    pool=self.pool)
+        self.graphed[shape] = (graphed, call)
+        self.captures += 1
+        return graphed, call
+
+
+def graph_head(model: nn.Module, lm_head: nn.Module, *, warmup_iters: int = 3, max_shapes: int = 12) -> HeadGraphs:
+    """Route ``model``'s TokenHead losses through a :class:`HeadGraphs` (left on the model as ``head_graphs``,
+    which ``packed_head_forward`` consults). ValueError without CUDA."""
+    if not torch.cuda.is_available():
+        raise ValueError("parallel.cuda_graphs needs a CUDA device (set it to false on this machine)")
+    graphs = HeadGraphs(lm_head, warmup_iters=warmup_iters, max_shapes=max_shapes)
+    model.head_graphs = graphs
+    return graphs
+
+
+class GradientBuffers:
+    """A persistent ``.grad`` buffer per trainable parameter, zeroed and installed before each update's backward
+    passes (module doc, "Gradients"): one multi-tensor zero per update, and the gradients' memory stays allocated
+    between updates."""
+
+    def __init__(self, params) -> None:
+        seen: dict[int, torch.nn.Parameter] = {}
+        for p in params:
+            if p.requires_grad:
+                seen.setdefault(id(p), p)  # tied weights: one buffer
+        self.params = list(seen.values())
+        self.buffers: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def install(self) -> None:
+        """Every parameter's ``.grad`` = its own zeroed buffer (allocated at the first call)."""
+        if self.buffers is None:
+            self.buffers = [torch.zeros_like(p) for p in self.params]
+        else:
+            torch._foreach_zero_(self.buffers)
+        for p, b in zip(self.params, self.buffers):
+            p.grad = b

@@ -34,6 +34,7 @@ from fastgrpo.kernels import linear_logprobs
 from fastgrpo.models.packing import MicroBatch, pack, plan_microbatches, resolve_buckets, split_to_count
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update.guard import NonFiniteGuard
+from fastgrpo.update.head import TokenHead
 from fastgrpo.update.master_weights import gradients_for_clipping
 
 __all__ = ["DEFAULT_MICROBATCH_TOKENS", "HeadLoss", "StepPlan", "gather_ints", "microbatch_tokens",
@@ -174,8 +175,13 @@ def optimizer_update(model: torch.nn.Module, mbs: list[MicroBatch], head_loss: H
     Another ``role`` than 'policy' (PPO's 'critic') logs ``<role>/loss``, ``<role>/grad_norm`` and ``<role>/lr``.
     """
     optimizer.zero_grad(set_to_none=True)
+    buffers = getattr(model, "gradient_buffers", None)  # CUDA graphs: .grad buffers of the parameters' own
+    if buffers is not None:
+        buffers.install()
     for mb in mbs:
-        loss, stats = model.packed_forward(mb, partial(head_loss, mb))
+        # a TokenHead goes in whole (bound to mb): a model with head graphs replays its compute (update.cuda_graphs)
+        head = head_loss.bind(mb) if isinstance(head_loss, TokenHead) else partial(head_loss, mb)
+        loss, stats = model.packed_forward(mb, head)
         loss.backward()
         loss = loss.detach()
         metrics.total("loss" if role == "policy" else f"{role}/loss",

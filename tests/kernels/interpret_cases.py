@@ -375,3 +375,38 @@ def test_logprobs_with_bias_match_reference(backend):
     with torch.no_grad():  # cublas's log-probs are forward-only
         logp = linear_logprobs(h, w, t, bias=bias, temperature=0.9, backend=backend, chunk_size=16)
     assert rel_err(logp, ref) <= TOL
+
+
+# ---------------------------------------- zero rows appended change nothing (issue 38: the head's CUDA graphs)
+@pytest.mark.parametrize("backend, sequences", [("triton", None), ("triton", 2), ("cublas", None)],
+                         ids=["triton", "triton-gspo", "cublas"])
+def test_zero_rows_appended_change_nothing(backend, sequences):
+    # A graphed head runs on its rows padded with zero rows (fastgrpo.update.head): hidden 0, target 0, weight 0,
+    # advantage 0, old and reference log-prob 0, sequence 0. Loss, stats and gradients are the real rows'.
+    g = torch.Generator().manual_seed(40)
+    n, pad = 21, 11
+    hidden = torch.randn(n, SHAPE.h, generator=g)
+    weight = torch.randn(SHAPE.v, SHAPE.h, generator=g) * 0.3
+    per = dict(targets=torch.randint(0, SHAPE.v, (n,), generator=g), advantages=torch.randn(n, generator=g),
+               token_weights=torch.rand(n, generator=g), old_logprobs=-torch.rand(n, generator=g) * 3,
+               ref_logprobs=-torch.rand(n, generator=g) * 3)
+    if sequences:
+        per["sequence_index"] = torch.arange(n) * sequences // n
+
+    def run(rows):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        grow = lambda x: torch.cat([x, x.new_zeros(rows - n, *x.shape[1:])])  # noqa: E731
+        args = {k: grow(v) for k, v in per.items()}
+        loss, stats = linear_grpo_loss(grow(h), w, args.pop("targets"), args.pop("advantages"),
+                                       args.pop("token_weights"), beta=0.05, backend=backend, chunk_size=16,
+                                       return_entropy=True, **args)
+        loss.backward()
+        return loss.detach(), stats, h.grad, w.grad
+
+    a, b = run(n), run(n + pad)
+    torch.testing.assert_close(b[0], a[0], rtol=1e-5, atol=1e-7)
+    for k in ("clip_low_frac", "clip_high_frac", "kl_mean"):
+        torch.testing.assert_close(b[1][k], a[1][k], rtol=1e-5, atol=1e-7, msg=k)
+    torch.testing.assert_close(b[1]["entropy"][:n], a[1]["entropy"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b[2], a[2], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(b[3], a[3], rtol=1e-5, atol=1e-7)
