@@ -209,7 +209,27 @@ def lean_vs_transformers(model, tokenizer, prompts, n, sampling, rounds: int, ba
              for name, ms in per_step.items()]
     lines.append(f"- lean / transformers, decode phase per round: median {statistics.median(ratios):.2f} "
                  f"({min(ratios):.2f}-{max(ratios):.2f}), i.e. {1 / statistics.median(ratios):.2f}x faster")
+    lines.append(decode_floor_line(model, len(prompts) * n, batch_size, prompt_len=len(prompts[0]) if prompts else 0,
+                                   steps=steps, lean_ms=statistics.median(per_step["HFEngine, hf_decode=lean"])))
     return table + "\n\n" + "\n".join(lines) + f"\n\nsame tokens from both paths: {same}"
+
+
+def decode_floor_line(model, sequences: int, batch_size: int, *, prompt_len: int, steps: int, lean_ms: float) -> str:
+    """The decode step's memory-bandwidth floor (weights and the key / value cache read once per step, at the card's
+    peak bandwidth; ``fastgrpo.runtime.metrics.decode_step_bytes``) against the lean step's measured time. The mean
+    context of a step is the prompt plus half the new tokens (every sequence runs all steps under --no-eos)."""
+    from fastgrpo.runtime.metrics import decode_step_bytes, device_peak_bandwidth
+
+    context = prompt_len + (steps + 1) / 2
+    need = decode_step_bytes(model, sequences=sequences, batch_size=batch_size, context=context)
+    bandwidth = device_peak_bandwidth(next(model.parameters()).device)
+    head = (f"- memory-bandwidth floor of a decode step ({sequences} sequences, batches of {batch_size}, mean context "
+            f"{context:.0f} tokens): {need / 1e9:.3f} GB read")
+    if bandwidth is None:
+        return head + " (no bandwidth figure for this device: no floor in ms)"
+    floor_ms = 1e3 * need / bandwidth
+    return (head + f" / {bandwidth / 1e12:.2f} TB/s = {floor_ms:.3f} ms; the lean step takes {lean_ms:.3f} ms, "
+            f"{lean_ms / floor_ms:.1f}x the floor")
 
 
 def hf_vs_generate(model, tokenizer, prompts, n, sampling, rounds: int, batch_size: int) -> str:

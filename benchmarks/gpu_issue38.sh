@@ -10,6 +10,7 @@
 #   (c) bench_trl.py --update-only at 8 and 64 sequences and a long-completion batch (32 sequences, completions of
 #       ~1024 tokens): TRL's padded update against grpo_update (autocast default) on one fixed rollout batch
 #       (Countdown-like prompt lengths: the TRL ratio is read against (c)'s fastgrpo row, the variants' gain on (b))
+#   (d) bench_rollout.py --lean-vs-transformers at 64 sequences: ms per decode step against the memory-bandwidth floor
 #
 #   bash benchmarks/gpu_issue38.sh                 # on the GPU machine; carry .whl/ (trl, accelerate, datasets, ...)
 #   QUICK=1 bash benchmarks/gpu_issue38.sh         # ~270 s: (a), then (b) at s8 and s64 only, in two steps (one per
@@ -100,6 +101,15 @@ else
   echo "trl is not importable: the TRL rows are not run (carry its wheels in .whl/, see benchmarks/run_gpu.sh)"
   printf 'trl\tunavailable\t0\t0\n' >> "$STEPS"
 fi
+# (d) decode at 64 sequences against its memory-bandwidth floor (weights + KV cache read once per step): the lean
+#     step (CUDA graph) vs transformers' forward, 8 prompts x 8 of 272 tokens, 128 new tokens, no EOS
+if [ "$SMOKE" = 1 ]; then
+  DECODE_ARGS=(--shape tiny-small --prompts 2 --n 4 --prompt-len 11 --max-tokens 8 --rounds 1)
+else
+  DECODE_ARGS=(--shape qwen2.5-0.5b --prompts 8 --n 8 --prompt-len 272 --max-tokens 128 --hf-batch-size 64 --rounds 3)
+fi
+step decode "$(cap 90)" "$PY" benchmarks/bench_rollout.py --lean-vs-transformers --no-eos "${DECODE_ARGS[@]}" \
+  --out "$OUT_DIR/decode"
 
 echo; echo "=== steps ($SECONDS s in all)"; cat "$STEPS"
 [ -f "$OUT_DIR/update_variants.md" ] && cat "$OUT_DIR/update_variants.md"

@@ -118,3 +118,23 @@ def test_nothing_is_read_from_the_device_before_reduce_and_reduce_reads_once():
         out = m.reduce()
     assert counter.total(kind="syncs") == 1
     assert out["a"] == 0.5 and out["loss"] == 3.0 and out["r/mean"] == 2.0 and out["adv_min"] == -1.0
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decode_step_bytes_counts_the_weights_per_batch_and_every_sequences_cache(tied):
+    """The decode floor's bytes (issue 38): weights once per batch of sequences (the input embedding only where it
+    is the head), keys and values of every sequence's context once; counted by hand on a small Qwen2."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fastgrpo.runtime.metrics import decode_step_bytes, device_peak_bandwidth
+
+    cfg = Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    embed = 100 * 32
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    weights = 2 * (total - (0 if tied else embed))
+    kv_per_token = 2 * 3 * 2 * 8 * 2  # keys and values, 3 layers, 2 kv heads of 8, bf16
+    got = decode_step_bytes(model, sequences=10, batch_size=4, context=20.5)
+    assert got == 3 * weights + 10 * 20.5 * kv_per_token
+    assert device_peak_bandwidth("cpu") is None

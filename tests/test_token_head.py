@@ -153,9 +153,11 @@ def _fake_capture(call, samples, num_warmup_iters, pool):
     return call
 
 
-def test_the_head_graphs_plumbing_gives_the_eager_update(monkeypatch):
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["plain", "autocast-bf16"])
+def test_the_head_graphs_plumbing_gives_the_eager_update(monkeypatch, autocast):
     """An update through HeadGraphs (capture stood in by an eager call, device checks off) equals the plain
-    update: loss, stats, every gradient; one capture per padded row count, replays after."""
+    update: loss, stats, every gradient; one capture per padded row count, replays after. ``autocast``: the trunk
+    under autocast and the head cast inside the graph's module (float32 weights on one GPU; here on the CPU)."""
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", _fake_capture)
     monkeypatch.setattr(cuda_graphs.HeadGraphs, "takes",
@@ -165,7 +167,9 @@ def test_the_head_graphs_plumbing_gives_the_eager_update(monkeypatch):
 
     def model():
         m = AutoModelForCausalLM.from_pretrained(build_tiny(), attn_implementation="sdpa").train()
-        return parallelize_model(m, ParallelConfig(), device="cpu", world_size=1)
+        m = parallelize_model(m, ParallelConfig(), device="cpu", world_size=1)
+        m.autocast_dtype = autocast
+        return m
 
     plain, graphed = model(), model()
     graphs = cuda_graphs.HeadGraphs(get_trunk_and_head(graphed)[1])
@@ -191,7 +195,9 @@ def test_the_head_graphs_plumbing_gives_the_eager_update(monkeypatch):
             assert mg[k] == pytest.approx(ms[k], rel=1e-5, abs=1e-7), k
         for k in gs:
             torch.testing.assert_close(gg[k], gs[k], rtol=1e-4, atol=1e-7, msg=k)
+            assert gs[k].dtype == torch.float32  # the cast is differentiable: float32 weights get float32 grads
     assert (graphs.captures, graphs.replays, graphs.eager_calls) == (2, 3, 0)
+    assert sorted(s.rows for s in graphs.graphed) == [16, 32] and {s.cast for s in graphs.graphed} == {autocast}
     with torch.no_grad():  # the log-prob passes: eager
         graphed.packed_forward(plan.mbs[0], head.bind(plan.mbs[0]))
     assert graphs.eager_calls == 1

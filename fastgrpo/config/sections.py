@@ -530,7 +530,9 @@ class ParallelConfig:
     autocast); off: float32 weights with autocast on CUDA, float32 on a CPU."""
     cuda_graphs: bool = False
     """One plain GPU: replay the blocks' forward and backward from CUDA graphs captured per token bucket (a row that
-    fits no bucket runs eagerly); with compile, inductor's graphs (mode reduce-overhead); else needs token_buckets."""
+    fits no bucket runs eagerly); with compile, inductor's graphs (mode reduce-overhead); else needs token_buckets.
+    The parameters' gradients then live in buffers kept between updates (a graph's own gradient buffers must never
+    become ``.grad``: fastgrpo.update.cuda_graphs)."""
     cuda_graphs_head: bool = True
     """With cuda_graphs: also replay the policy's (or SFT's) head loss, forward and backward, from CUDA graphs
     captured per padded target-row count (the rows padded with zero-weight rows); false runs the head eagerly."""

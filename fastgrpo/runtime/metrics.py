@@ -33,6 +33,39 @@ def device_peak_flops(device: torch.device | str) -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
+# Peak memory bandwidth in bytes/s by device-name substring, most specific first (vendor data sheets).
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-PCIE-40GB": 1.555e12,
+                  "A100": 2.039e12, "L40S": 0.864e12, "A10G": 0.6e12, "L4": 0.3e12}
+
+
+def device_peak_bandwidth(device: torch.device | str) -> float | None:
+    """The device's peak memory bandwidth in bytes/s, or None off CUDA / for an unknown GPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BANDWIDTH.items() if k in name), None)
+
+
+def decode_step_bytes(model: torch.nn.Module, *, sequences: int, batch_size: int, context: float) -> float:
+    """Bytes one decode step must read at least, over all ``sequences`` (the memory-bandwidth floor's numerator):
+    every weight once per batch of ``batch_size`` sequences (the input embedding only where it is also the head,
+    since a step looks up one row of it per sequence), and each sequence's key / value cache of ``context`` tokens
+    once. Weights and cache in the model's parameter dtype."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    params = {id(p): p for p in model.parameters()}.values()  # a tied head counted once
+    elem = next(iter(params)).element_size()
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embed
+    weight_bytes = (sum(p.numel() for p in params) - (0 if tied else embed.numel())) * elem
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem
+    batches = -(-sequences // batch_size)
+    return batches * weight_bytes + sequences * context * kv_bytes_per_token
+
+
 def update_flops(model: torch.nn.Module, prompt_lens: list[int], comp_lens: list[int]) -> float:
     """Useful training FLOPs (forward + backward) of one packed update.
 
