@@ -4,6 +4,7 @@ sequences, 1 vs 2 ranks, and the trainer end to end (learning, a sign-flipped co
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -266,3 +267,36 @@ def test_shipped_ppo_configs_load_and_the_gsm8k_one_mirrors_oat():
             cfg.ppo.num_ppo_epochs) == ("ppo", 8, 1.2, 0.9, 1e-4, 2)
     assert cfg.ppo.num_ppo_epochs * cfg.ppo.num_mini_batches == 16
     assert cfg.optim.lr == cfg.ppo.critic_lr == 1e-6 and cfg.ppo.kl_coef == 0
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_ppo_trains_both_models_on_bf16_weights_with_masters_and_padded_rows(tmp_path, monkeypatch, lora):
+    """Issue 38's update options through PPO's two updates on the CPU: parallel.master_weights (bf16 compute weights,
+    float32 masters and moments in MasterAdamW, for the policy and the critic) and parallel.token_buckets (every row
+    padded to a bucket), with and without LoRA: both models train, their rows are the buckets' lengths."""
+    import fastgrpo.algorithms.ppo as ppo
+    from fastgrpo.update.master_weights import MasterAdamW
+
+    rows = []
+    plan_step = ppo.plan_step
+    monkeypatch.setattr(ppo, "plan_step", lambda *a, **k: (lambda plan: rows.extend(
+        mb.num_tokens for mb in plan.mbs) or plan)(plan_step(*a, **k)))
+    small = ["grpo.prompts_per_step=2", "grpo.num_generations=4", "rollout.max_completion_length=3",
+             "ppo.num_mini_batches=2", "max_steps=2", "parallel.master_weights=true", "parallel.token_buckets=[256,512]"]
+    trainer = _trainer(tmp_path, "bf16", *small, *(["model.lora.rank=4"] if lora else []))
+    before = {name: _state(getattr(trainer, name)) for name in ("model", "critic")}
+    trainer.run()
+    assert rows and set(rows) <= {256, 512}, rows
+    for name, opt in (("model", "optimizer"), ("critic", "critic_optimizer")):
+        model, optimizer = getattr(trainer, name), getattr(trainer, opt)
+        assert isinstance(optimizer, MasterAdamW)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        assert trained and all(p.dtype == torch.bfloat16 for p in trained)
+        assert all(optimizer.state[p]["master"].dtype == torch.float32 for p in trained)
+        after = _state(model)
+        changed = [k for k in after if not torch.equal(after[k], before[name][k])]
+        assert changed, f"{name} did not train"
+        if lora:
+            assert all("lora_" in k or k.endswith("lm_head.weight") for k in changed), changed
+    record = json.loads((tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert all(math.isfinite(record[k]) for k in ("loss", "critic/loss", "policy/grad_norm", "critic/grad_norm"))

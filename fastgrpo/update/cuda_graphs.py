@@ -219,7 +219,7 @@ class _HeadShape:
 class HeadGraphs:
     """The graphs of a model's TokenHead losses, per :class:`_HeadShape` (module doc)."""
 
-    def __init__(self, lm_head: nn.Module, *, warmup_iters: int = 3, max_shapes: int = 12) -> None:
+    def __init__(self, lm_head: nn.Module, *, warmup_iters: int = 3, max_shapes: int = 8) -> None:
         self.lm_head = lm_head
         self.warmup_iters = warmup_iters
         self.max_shapes = max_shapes
@@ -282,7 +282,7 @@ class HeadGraphs:
         return graphed, call
 
 
-def graph_head(model: nn.Module, lm_head: nn.Module, *, warmup_iters: int = 3, max_shapes: int = 12) -> HeadGraphs:
+def graph_head(model: nn.Module, lm_head: nn.Module, *, warmup_iters: int = 3, max_shapes: int = 8) -> HeadGraphs:
     """Route ``model``'s TokenHead losses through a :class:`HeadGraphs` (left on the model as ``head_graphs``,
     which ``packed_head_forward`` consults). ValueError without CUDA."""
     if not torch.cuda.is_available():
