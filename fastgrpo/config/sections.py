@@ -524,7 +524,8 @@ class ParallelConfig:
     registered varlen op)."""
     token_buckets: list[int] = field(default_factory=list)
     """Pad each packed micro-batch up to the smallest of these token counts (static shapes, the tail a dummy segment
-    that predicts nothing); [] = no padding, or with compile / cuda_graphs the micro-batch budget's 1/4, 1/2 and 1."""
+    that predicts nothing); [] = no padding, or with compile the micro-batch budget's 1/4, 1/2 and 1 (cuda_graphs
+    without compile needs them listed: the row lengths to capture)."""
     master_weights: bool = False
     """One plain GPU (or CPU): forward and backward on ``param_dtype`` weights, AdamW on float32 masters of them (no
     autocast); off: float32 weights with autocast on CUDA, float32 on a CPU."""
