@@ -566,3 +566,11 @@ def test_24_10_a_step_larger_than_the_data_is_announced_before_the_model_loads(t
     with pytest.raises(AssertionError, match="the model must not load"):
         _main(tmp_path, "max_steps=1", "grpo.prompts_per_step=100")
     assert "grpo.prompts_per_step=100 is more than the 36 training rows" in capsys.readouterr().out
+
+
+def test_cuda_graphs_off_a_cuda_device_is_a_one_line_error_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    _forbid_model_load(monkeypatch)
+    rc = train.main([*TOY, f"output_dir={tmp_path}", "name=run", "max_steps=1", "parallel.cuda_graphs=true",
+                     "parallel.token_buckets=[256]"])
+    assert rc == 2
+    _one_line_error(capsys.readouterr().err, "parallel.cuda_graphs needs one plain CUDA device")

@@ -95,7 +95,7 @@ class TrainingLoop:
         torch.manual_seed(cfg.seed)
         set_malloc_mmap_threshold(cfg.malloc_mmap_threshold)  # before the model and its gradients are allocated
         # Cheap checks first: the launch and the run folder fail before any data or model loads.
-        preflight.check_launch(cfg, self.world_size)
+        preflight.check_launch(cfg, self.world_size, self.device)
         preflight.check_run_dir(cfg)
         preflight.check_run_folder_kind(cfg)  # an SFT run's folder is no GRPO run's, and the reverse
         preflight.check_inputs(cfg)

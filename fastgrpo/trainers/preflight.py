@@ -18,16 +18,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fastgrpo.distributed import checkpoint as ckpt
+import torch
+
 from fastgrpo.config import TrainConfig, not_a_file, run_defining_changes, run_kind_of
+from fastgrpo.distributed import checkpoint as ckpt
+from fastgrpo.distributed.parallelize import uses_fsdp
 from fastgrpo.runtime.files import safetensors_problem, write_atomic
 
 LOGS = ("metrics.jsonl", "completions.jsonl")
 """The run folder's append-only logs."""
 
 
-def check_launch(cfg: TrainConfig, world_size: int) -> None:
-    """The parallel settings fit the launch."""
+def check_launch(cfg: TrainConfig, world_size: int, device: torch.device | str = "cpu") -> None:
+    """The parallel settings fit the launch (``world_size`` processes on ``device``)."""
+    if cfg.parallel.cuda_graphs and (torch.device(device).type != "cuda" or uses_fsdp(cfg.parallel, device,
+                                                                                      world_size)):
+        raise ValueError(f"parallel.cuda_graphs needs one plain CUDA device (no FSDP2), and this run has "
+                         f"{world_size} process(es) on {torch.device(device).type}; set it to false here")
     if not cfg.parallel.fsdp and world_size > 1:
         # Without FSDP nothing would synchronise the ranks' gradients: each would train its own copy of the model
         # and rank 0's would be exported. FSDP2 is the one data-parallel path (it also shards and reshards the
