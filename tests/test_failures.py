@@ -574,3 +574,15 @@ def test_cuda_graphs_off_a_cuda_device_is_a_one_line_error_before_the_model_load
                      "parallel.token_buckets=[256]"])
     assert rc == 2
     _one_line_error(capsys.readouterr().err, "parallel.cuda_graphs needs one plain CUDA device")
+
+
+def test_parallel_settings_that_do_not_fit_the_launch_are_refused_by_the_preflight():
+    from fastgrpo.config import load_config
+    from fastgrpo.trainers.preflight import check_launch
+
+    cfg = load_config(None, [*TOY, "parallel.master_weights=true"])
+    check_launch(cfg, 1, "cpu")  # one process: a plain module
+    with pytest.raises(ValueError, match="parallel.master_weights applies to a plain module"):
+        check_launch(cfg, 2, "cpu")  # FSDP2 over 2 processes
+    with pytest.raises(ValueError, match="parallel.cpu_offload needs FSDP"):
+        check_launch(load_config(None, [*TOY, "parallel.cpu_offload=true"]), 1, "cpu")

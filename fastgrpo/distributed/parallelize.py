@@ -146,6 +146,21 @@ def uses_fsdp(cfg: ParallelConfig, device: torch.device | str, world_size: int) 
     return cfg.fsdp and (world_size > 1 or (torch.device(device).type == "cuda" and cfg.one_gpu == "fsdp"))
 
 
+def check_parallel(cfg: ParallelConfig, device: torch.device | str, world_size: int) -> None:
+    """ValueError naming the setting when ``cfg`` does not fit ``world_size`` processes on ``device`` (the trainer's
+    preflight calls it before the model loads, ``parallelize_model`` again)."""
+    device = torch.device(device)
+    fsdp = uses_fsdp(cfg, device, world_size)
+    if cfg.cpu_offload and not fsdp:
+        raise ValueError("parallel.cpu_offload needs FSDP: set parallel.fsdp=true (and, on CPU, world size > 1)")
+    if cfg.cuda_graphs and (device.type != "cuda" or fsdp):
+        raise ValueError(f"parallel.cuda_graphs needs one plain CUDA device (no FSDP2), and this run has {world_size} "
+                         f"process(es) on {device.type}; set it to false here")
+    if cfg.master_weights and fsdp:
+        raise ValueError("parallel.master_weights applies to a plain module (one process, parallel.one_gpu=plain); "
+                         "FSDP2 keeps float32 shards and gathers them in param_dtype itself")
+
+
 def autocast_dtype(cfg: ParallelConfig, device: torch.device | str, world_size: int) -> torch.dtype | None:
     """The dtype a plain (not FSDP2) CUDA module computes in under autocast, or None (no autocast: CPU, FSDP2,
     or ``param_dtype`` float32). Its parameters stay in the dtype they were loaded in (float32 masters)."""
@@ -167,14 +182,8 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
     device = torch.device(device)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_parallel(cfg, device, world_size)
     fsdp = uses_fsdp(cfg, device, world_size)
-    if cfg.cpu_offload and not fsdp:
-        raise ValueError("parallel.cpu_offload needs FSDP: set parallel.fsdp=true (and, on CPU, world size > 1)")
-    if cfg.cuda_graphs and (device.type != "cuda" or fsdp):
-        raise ValueError("parallel.cuda_graphs needs one plain CUDA device (no FSDP2); set it to false here")
-    if cfg.master_weights and fsdp:
-        raise ValueError("parallel.master_weights applies to a plain module (one process, parallel.one_gpu=plain); "
-                         "FSDP2 keeps float32 shards and gathers them in param_dtype itself")
     tied = _tied(model)
     blocks = transformer_blocks(model)
     if not (fsdp and cfg.cpu_offload):

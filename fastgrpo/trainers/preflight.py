@@ -22,7 +22,7 @@ import torch
 
 from fastgrpo.config import TrainConfig, not_a_file, run_defining_changes, run_kind_of
 from fastgrpo.distributed import checkpoint as ckpt
-from fastgrpo.distributed.parallelize import uses_fsdp
+from fastgrpo.distributed.parallelize import check_parallel
 from fastgrpo.runtime.files import safetensors_problem, write_atomic
 
 LOGS = ("metrics.jsonl", "completions.jsonl")
@@ -31,10 +31,7 @@ LOGS = ("metrics.jsonl", "completions.jsonl")
 
 def check_launch(cfg: TrainConfig, world_size: int, device: torch.device | str = "cpu") -> None:
     """The parallel settings fit the launch (``world_size`` processes on ``device``)."""
-    if cfg.parallel.cuda_graphs and (torch.device(device).type != "cuda" or uses_fsdp(cfg.parallel, device,
-                                                                                      world_size)):
-        raise ValueError(f"parallel.cuda_graphs needs one plain CUDA device (no FSDP2), and this run has "
-                         f"{world_size} process(es) on {torch.device(device).type}; set it to false here")
+    check_parallel(cfg.parallel, device, world_size)  # what parallelize_model would refuse after the load
     if not cfg.parallel.fsdp and world_size > 1:
         # Without FSDP nothing would synchronise the ranks' gradients: each would train its own copy of the model
         # and rank 0's would be exported. FSDP2 is the one data-parallel path (it also shards and reshards the
