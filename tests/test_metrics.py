@@ -138,3 +138,13 @@ def test_decode_step_bytes_counts_the_weights_per_batch_and_every_sequences_cach
     got = decode_step_bytes(model, sequences=10, batch_size=4, context=20.5)
     assert got == 3 * weights + 10 * 20.5 * kv_per_token
     assert device_peak_bandwidth("cpu") is None
+
+
+def test_peak_figures_go_by_the_device_name_most_specific_first(monkeypatch):
+    from fastgrpo.runtime import metrics
+
+    for name, bandwidth in (("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H100 PCIe", 2.0e12),
+                            ("NVIDIA H200", 4.8e12), ("NVIDIA GeForce RTX 4090", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert metrics.device_peak_bandwidth("cuda") == bandwidth, name
+        assert metrics.device_peak_flops("cuda") == (None if bandwidth is None else 989e12), name

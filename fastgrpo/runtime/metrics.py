@@ -24,13 +24,18 @@ from fastgrpo.runtime.files import write_atomic
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
 
 
-def device_peak_flops(device: torch.device | str) -> float | None:
-    """The device's dense bf16 peak FLOP/s, or None off CUDA / for an unknown GPU (then no MFU is reported)."""
+def _by_device_name(table: dict[str, float], device: torch.device | str) -> float | None:
+    """The first value of ``table`` whose key is in the CUDA device's name; None off CUDA or for an unknown GPU."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return next((v for k, v in table.items() if k in name), None)
+
+
+def device_peak_flops(device: torch.device | str) -> float | None:
+    """The device's dense bf16 peak FLOP/s, or None off CUDA / for an unknown GPU (then no MFU is reported)."""
+    return _by_device_name(PEAK_BF16, device)
 
 
 # Peak memory bandwidth in bytes/s by device-name substring, most specific first (vendor data sheets).
@@ -40,11 +45,7 @@ PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-PC
 
 def device_peak_bandwidth(device: torch.device | str) -> float | None:
     """The device's peak memory bandwidth in bytes/s, or None off CUDA / for an unknown GPU."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BANDWIDTH.items() if k in name), None)
+    return _by_device_name(PEAK_BANDWIDTH, device)
 
 
 def decode_step_bytes(model: torch.nn.Module, *, sequences: int, batch_size: int, context: float) -> float:
