@@ -220,3 +220,31 @@ def test_micro_batches_sharing_a_graph_sum_their_gradients():
     for eager, graphed in zip(grads["eager"], grads["graphed"]):
         for k in eager:
             torch.testing.assert_close(graphed[k], eager[k], rtol=2e-2, atol=1e-4, msg=k)
+
+
+def test_the_decode_copy_of_a_graphed_policy_runs_its_own_bf16_blocks(monkeypatch):
+    """The hf engine decodes a float32 + autocast policy (one GPU, no master weights) from a bf16 deepcopy of it.
+    With parallel.cuda_graphs the copy's blocks must run their own forward, not the policy's graph dispatch (which
+    would call the float32 originals on bf16 inputs), and the update's graph state stays behind. Built on the CPU
+    with the CUDA check stood in (nothing is captured: graphs capture on the first training forward)."""
+    from fastgrpo.models.loading import get_trunk_and_head
+    from fastgrpo.rollout.hf import decode_copy
+    from fastgrpo.update.cuda_graphs import GradientBuffers, graph_head
+
+    policy, plain = _model("cpu", "sdpa"), _model("cpu", "sdpa")
+    for m in (policy, plain):
+        m.autocast_dtype = torch.bfloat16  # what parallelize_model sets on one CUDA device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    graph_blocks(transformer_blocks(policy), [32])
+    graph_head(policy, get_trunk_and_head(policy)[1])
+    policy.gradient_buffers = GradientBuffers(policy.parameters())
+    copy, copy_params, policy_params = decode_copy(policy)
+    reference = decode_copy(plain)[0]
+    for name in ("packed_forward", "head_graphs", "gradient_buffers"):
+        assert not hasattr(copy, name), name
+    assert not hasattr(transformer_blocks(copy), "block_graphs")
+    assert all(p.dtype == torch.bfloat16 for p in copy.parameters())
+    assert hasattr(policy, "head_graphs") and transformer_blocks(policy).block_graphs.captures == 0
+    ids = torch.tensor([[5, 9, 17, 33, 2, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(copy(ids).logits, reference(ids).logits, rtol=0, atol=0)

@@ -77,6 +77,11 @@ def _reshard(model: nn.Module) -> None:
             module.reshard()
 
 
+_TRAINER_STATE = ("packed_forward", "head_graphs", "gradient_buffers", "block_graphs")
+"""Attributes the trainer sets on a policy or its modules (``parallelize_model``, ``build_trained``) that its decode
+copy leaves out."""
+
+
 def decode_copy(model: nn.Module) -> tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]] | None:
     """For a policy with float32 masters that computes under autocast (one plain GPU, ``model.autocast_dtype``): a
     copy of it in that dtype to decode with, and the (copy, policy) parameter lists that :meth:`HFEngine.sync_from`
@@ -93,11 +98,13 @@ def decode_copy(model: nn.Module) -> tuple[nn.Module, list[torch.Tensor], list[t
         memo = {id(p): nn.Parameter(p.detach().to(dtype) if p.is_floating_point() else p.detach().clone(),
                                     requires_grad=False) for p in params}
         memo.update({id(b): b for b in model.buffers()})
-        if hasattr(model, "packed_forward"):  # the trainer's bound method: the copy only decodes
-            memo[id(model.packed_forward)] = None
+        # the trainer's state on the model, not copied: the copy only decodes (its packed forward, the update's CUDA
+        # graphs and gradient buffers: fastgrpo.update.cuda_graphs, whose block dispatch a copied block bypasses)
+        state = [(path, name) for path, m in model.named_modules() for name in _TRAINER_STATE if name in vars(m)]
+        memo.update({id(vars(model.get_submodule(path))[name]): None for path, name in state})
         copy = deepcopy(model, memo)
-    if getattr(copy, "packed_forward", 0) is None:
-        del copy.packed_forward
+    for path, name in state:
+        delattr(copy.get_submodule(path), name)
     copy.autocast_dtype = None
     copy.eval()
     return copy, [memo[id(p)] for p in params], params

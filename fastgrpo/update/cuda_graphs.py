@@ -177,6 +177,8 @@ def graph_blocks(blocks: nn.ModuleList, buckets: Sequence[int], *, warmup_iters:
     graphs = BlockGraphs(blocks, buckets, warmup_iters=warmup_iters)
     for i, block in enumerate(graphs.blocks):
         def forward(self, hidden_states, *args, _i=i, **kwargs):
+            if graphs.blocks[_i] is not self:  # a copy of the block (the hf engine's decode copy): its own forward
+                return type(self).forward(self, hidden_states, *args, **kwargs)
             return graphs.run(_i, hidden_states, *args, **kwargs)
 
         block.forward = types.MethodType(forward, block)
