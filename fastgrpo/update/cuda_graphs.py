@@ -67,6 +67,15 @@ from fastgrpo.update.head import BoundHead, pad_rows, padded_rows
 __all__ = ["BlockGraphs", "GradientBuffers", "HeadGraphs", "graph_blocks", "graph_head"]
 
 
+DEVICE_TYPE = "cuda"
+"""The device whose rows the graphs take (a test on the CPU stands the capture in and sets "cpu")."""
+
+
+def _require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise ValueError("parallel.cuda_graphs needs a CUDA device (set it to false on this machine)")
+
+
 class _BlockCall(nn.Module):
     """A decoder block as a function of tensors only (what capture takes): hidden ``[1, T, H]``, rotary cos and sin
     ``[1, T, d]``, boundaries ``cu_seqlens [C]`` -> hidden ``[1, T, H]``; ``max_seqlen`` is fixed per shape."""
@@ -151,7 +160,8 @@ class BlockGraphs:
         """Block ``index``'s forward: from its graph when the row is a bucket (module doc), else eager."""
         cu = kwargs.get("cu_seq_lens_q")
         max_seqlen = kwargs.get("max_length_q")
-        if not (hidden_states.is_cuda and torch.is_grad_enabled() and hidden_states.shape[1] in self.buckets
+        if not (hidden_states.device.type == DEVICE_TYPE and torch.is_grad_enabled()
+                and hidden_states.shape[1] in self.buckets
                 and not args and position_embeddings is not None and cu is not None and isinstance(max_seqlen, int)):
             self.eager_calls += 1
             return self.forwards[index](hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
@@ -170,8 +180,7 @@ class BlockGraphs:
 def graph_blocks(blocks: nn.ModuleList, buckets: Sequence[int], *, warmup_iters: int = 3) -> BlockGraphs:
     """Route every block's forward through a :class:`BlockGraphs` over ``buckets`` (also left on ``blocks`` as
     ``block_graphs``). ValueError without CUDA or without buckets (the row lengths to capture)."""
-    if not torch.cuda.is_available():
-        raise ValueError("parallel.cuda_graphs needs a CUDA device (set it to false on this machine)")
+    _require_cuda()
     if not buckets:
         raise ValueError("parallel.cuda_graphs needs parallel.token_buckets: the row lengths to capture")
     graphs = BlockGraphs(blocks, buckets, warmup_iters=warmup_iters)
@@ -238,7 +247,7 @@ class HeadGraphs:
 
     def takes(self, head: Any, hidden: torch.Tensor) -> bool:
         """Whether ``head`` (what ``packed_forward`` got) on ``hidden`` [n, H] replays from a graph."""
-        return (isinstance(head, BoundHead) and hidden.is_cuda and torch.is_grad_enabled()
+        return (isinstance(head, BoundHead) and hidden.device.type == DEVICE_TYPE and torch.is_grad_enabled()
                 and hidden.shape[0] > 0 and not torch.is_autocast_enabled("cuda"))
 
     def forward(self, head: Callable, hidden: torch.Tensor, dtype: torch.dtype | None):
@@ -289,8 +298,7 @@ class HeadGraphs:
 def graph_head(model: nn.Module, lm_head: nn.Module, *, warmup_iters: int = 3, max_shapes: int = 8) -> HeadGraphs:
     """Route ``model``'s TokenHead losses through a :class:`HeadGraphs` (left on the model as ``head_graphs``,
     which ``packed_head_forward`` consults). ValueError without CUDA."""
-    if not torch.cuda.is_available():
-        raise ValueError("parallel.cuda_graphs needs a CUDA device (set it to false on this machine)")
+    _require_cuda()
     graphs = HeadGraphs(lm_head, warmup_iters=warmup_iters, max_shapes=max_shapes)
     model.head_graphs = graphs
     return graphs

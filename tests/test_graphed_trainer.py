@@ -1,0 +1,83 @@
+"""The trainer with ``parallel.cuda_graphs`` (issue 38) on the CPU, the capture stood in by eager calls: what a GPU
+run would go through around the graphs (the block graphs' dispatch, the head graphs, the parameters' own gradient
+buffers, rollout and log-prob passes on the same modules, checkpoints, a resume, LoRA) trains bit-identically to
+the same run without graphs. The captures themselves need CUDA: tests/test_cuda_graphs.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fastgrpo.distributed.parallelize as parallelize
+import fastgrpo.trainers.preflight as preflight
+from fastgrpo.config import load_config
+from fastgrpo.update import cuda_graphs
+from test_trainer import TOY
+
+SETTINGS = ["parallel.master_weights=true", "parallel.token_buckets=[256,512,1024]", "grpo.prompts_per_step=4",
+            "grpo.num_generations=4", "max_steps=2", "checkpoint.every=1"]
+
+
+def _fake_capture(callables, samples, num_warmup_iters=3, pool=None):
+    """torch.cuda.make_graphed_callables' contract with eager calls: warm-up calls, then the callables themselves."""
+    one = not isinstance(callables, tuple)
+    callables, samples = ((callables,), (samples,)) if one else (callables, samples)
+    for _ in range(num_warmup_iters):
+        for fn, args in zip(callables, samples):
+            fn(*args)
+    return callables[0] if one else callables
+
+
+@pytest.fixture
+def graphs_on_cpu(monkeypatch):
+    check = parallelize.check_parallel
+
+    def check_without_graphs(cfg, device, world_size):
+        check(dataclasses.replace(cfg, cuda_graphs=False), device, world_size)
+
+    for module in (parallelize, preflight):
+        monkeypatch.setattr(module, "check_parallel", check_without_graphs)
+    monkeypatch.setattr(cuda_graphs, "_require_cuda", lambda: None)
+    monkeypatch.setattr(cuda_graphs, "DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+
+
+def _run(tmp_path, name: str, *extra: str):
+    from fastgrpo.trainers.grpo import Trainer
+
+    trainer = Trainer(load_config(None, [*TOY, *SETTINGS, f"output_dir={tmp_path}", f"name={name}", *extra]))
+    trainer.run()
+    return trainer
+
+
+def _state(trainer) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    for i, (p, s) in enumerate(trainer.optimizer.state.items()):
+        out.update({f"opt.{i}.{k}": v.clone() for k, v in s.items() if torch.is_tensor(v)})
+    return out
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_graphed_run_trains_as_the_plain_run_and_resumes(tmp_path, graphs_on_cpu, lora):
+    extra = ["model.lora.rank=4"] if lora else []
+    plain = _run(tmp_path, "plain", *extra)
+    graphed = _run(tmp_path, "graphed", "parallel.cuda_graphs=true", *extra)
+    blocks = parallelize.transformer_blocks(graphed.model).block_graphs
+    heads = graphed.model.head_graphs
+    assert blocks.captures >= 1 and blocks.replays > 0, "the block graphs' path did not run"
+    assert heads.captures >= 1 and heads.replays > 0, "the head graphs' path did not run"
+    assert graphed.model.gradient_buffers.params and not hasattr(plain.model, "gradient_buffers")
+    a, b = _state(plain), _state(graphed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # a resume from step 1's checkpoint of a graphed run ends where the straight run did
+    _run(tmp_path, "resumed", "parallel.cuda_graphs=true", *extra, "max_steps=1")
+    resumed = _run(tmp_path, "resumed", "parallel.cuda_graphs=true", *extra)
+    assert resumed.step == 2
+    c = _state(resumed)
+    for k in a:
+        assert torch.equal(a[k], c[k]), k
