@@ -477,6 +477,9 @@ def parse_args(argv):
                          "work's last pair; a work's first pair starts while time is left)")
     ap.add_argument("--fastgrpo-attn", default=None,
                     help="fastgrpo's model.attn_implementation (default: peer_work.FASTGRPO_ATTN's name for TRL's)")
+    ap.add_argument("--fastgrpo-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a dotted override of fastgrpo's config, repeatable (e.g. parallel.cuda_graphs=true): its "
+                         "full runs and its --update-only side (parallel.* and grpo.max_tokens_per_microbatch there)")
     ap.add_argument("--profile", action="store_true",
                     help="instead of timing: one run per side under torch.profiler, the last step's update only "
                          "(fastgrpo: policy_update; TRL: its micro-batch training steps, generation excluded); "
@@ -512,6 +515,8 @@ def prepare(work: Work, args, root: Path, device: str) -> dict:
                      warmup=args.warmup)
     if getattr(args, "fastgrpo_attn", None):
         spec["fastgrpo_attn"] = args.fastgrpo_attn
+    if getattr(args, "fastgrpo_set", None):
+        spec["fastgrpo_set"] = list(args.fastgrpo_set)
     return spec | {"max_eos_probability": check_no_eos(model_dir, prompts_file)}
 
 

@@ -8,9 +8,11 @@
 #       +compile+graphs (inductor's CUDA graphs), +graphs (eager blocks and the head loss graphed), +block-graphs
 #       (the head eager); update s, MFU, peak GiB, graph breaks, graphs compiled
 #   (c) bench_trl.py --update-only at 8 and 64 sequences and a long-completion batch (32 sequences, completions of
-#       ~1024 tokens): TRL's padded update against grpo_update (autocast default) on one fixed rollout batch
-#       (Countdown-like prompt lengths: the TRL ratio is read against (c)'s fastgrpo row, the variants' gain on (b))
+#       ~1024 tokens): TRL's padded update against grpo_update on one fixed rollout batch (Countdown-like prompt
+#       lengths), fastgrpo in the graphed configuration (bf16 masters, buckets of an 8192-token budget, graphs)
 #   (d) bench_rollout.py --lean-vs-transformers at 64 sequences: ms per decode step against the memory-bandwidth floor
+#   (e) bench_trl.py --works qwen0.5b-shape: the whole trainer step in the graphed configuration against TRL's
+#   Full mode order: (a), (c) at 8, (e), (c) at 64 and long, (d), then (b) with what is left.
 #
 #   bash benchmarks/gpu_issue38.sh                 # on the GPU machine; carry .whl/ (trl, accelerate, datasets, ...)
 #   QUICK=1 bash benchmarks/gpu_issue38.sh         # ~270 s: (a), then (b) at s8 and s64 only, in two steps (one per
@@ -23,7 +25,8 @@
 # and its whole traceback is in the log.
 #
 # Results in ${OUT:-benchmarks/results}/: issue38_log.txt, issue38_steps.tsv (step, status, seconds, limit),
-# issue38_pytest.xml, update_variants*.{json,md}, bench_trl_update_{8,64,long}.{json,md}. BUDGET_S (default 540;
+# issue38_pytest.xml, update_variants*.{json,md}, bench_trl_update_{8,64,long}.{json,md}, bench_trl_whole.{json,md},
+# decode.{md,csv}. BUDGET_S (default 540;
 # QUICK 270) caps everything; each step runs under `timeout` with its own limit, cut to what is left; under 20 s
 # left: skipped.
 cd "$(dirname "$0")/.."
@@ -82,18 +85,34 @@ if [ "$QUICK" = 1 ]; then
   wait "$TEE_PID" 2>/dev/null
   exit $status
 fi
-trl_step() {  # trl_step "NAME:ARGS": TRL's update against grpo_update on one fixed batch
+# The graphed configuration on fastgrpo's side of every TRL comparison (the default was set against TRL on the H100,
+# 2026-11-27: RESULTS "The update alone"): bf16 weights + float32 masters, rows padded to the budget's buckets, CUDA
+# graphs of the blocks and the head. SMOKE (a CPU): the same without the graphs (refused off CUDA).
+if [ "$SMOKE" = 1 ]; then
+  GRAPHED=(--fastgrpo-set parallel.master_weights=true --fastgrpo-set "parallel.token_buckets=[1024,2048,4096]"
+           --fastgrpo-set grpo.max_tokens_per_microbatch=4096)
+  WHOLE_ARGS=(--works tiny --repeats 1 --steps 1 --warmup 1)
+else
+  GRAPHED=(--fastgrpo-set parallel.master_weights=true --fastgrpo-set parallel.cuda_graphs=true
+           --fastgrpo-set "parallel.token_buckets=[2048,4096,8192]" --fastgrpo-set grpo.max_tokens_per_microbatch=8192)
+  WHOLE_ARGS=(--works qwen0.5b-shape --repeats 1)
+fi
+trl_step() {  # trl_step "NAME:ARGS": TRL's update against grpo_update (graphed) on one fixed batch
   local work=$1 name=${1%%:*} L
   L=$(cap 90)
   # shellcheck disable=SC2086  # the work's arguments are words
-  step "trl_$name" "$L" "$PY" benchmarks/bench_trl.py --update-only "${TRL_COMMON[@]}" ${work#*:} \
+  step "trl_$name" "$L" "$PY" benchmarks/bench_trl.py --update-only "${TRL_COMMON[@]}" ${work#*:} "${GRAPHED[@]}" \
     --budget-s $((L > 60 ? L - 30 : 30)) --out "$OUT_DIR/bench_trl_update_$name"
 }
 HAVE_TRL=0; "$PY" -c "import trl" 2>/dev/null && HAVE_TRL=1
-# the small batch first (the host-bound case this issue is about), then the variants, then the larger batches
-[ "$HAVE_TRL" = 1 ] && trl_step "${TRL_WORKS[0]}"
-step variants "$(cap 300)" "$PY" benchmarks/bench_update_variants.py "${VARIANT_ARGS[@]}" --out "$OUT_DIR/update_variants"
 if [ "$HAVE_TRL" = 1 ]; then
+  # (c) the small batch first (the host-bound case this issue is about), then (e) the whole trainer step with the
+  # graphed configuration against TRL's (rollout from the bf16 weights, the graphed update, weight sync), then the
+  # larger batches
+  trl_step "${TRL_WORKS[0]}"
+  L=$(cap 150)
+  step whole "$L" "$PY" benchmarks/bench_trl.py "${WHOLE_ARGS[@]}" "${GRAPHED[@]}" \
+    --budget-s $((L > 60 ? L - 30 : 30)) --out "$OUT_DIR/bench_trl_whole"
   for work in "${TRL_WORKS[@]:1}"; do
     trl_step "$work"
   done
@@ -110,10 +129,12 @@ else
 fi
 step decode "$(cap 90)" "$PY" benchmarks/bench_rollout.py --lean-vs-transformers --no-eos "${DECODE_ARGS[@]}" \
   --out "$OUT_DIR/decode"
+# (b) the variants with what is left (QUICK=1 runs them first, at s8 and s64)
+step variants "$(cap 300)" "$PY" benchmarks/bench_update_variants.py "${VARIANT_ARGS[@]}" --out "$OUT_DIR/update_variants"
 
 echo; echo "=== steps ($SECONDS s in all)"; cat "$STEPS"
 [ -f "$OUT_DIR/update_variants.md" ] && cat "$OUT_DIR/update_variants.md"
-for f in "$OUT_DIR"/bench_trl_update_*.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
+for f in "$OUT_DIR"/bench_trl_update_*.md "$OUT_DIR"/bench_trl_whole.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
 exec >&- 2>&-  # let tee finish the log before the call collects it
 wait "$TEE_PID" 2>/dev/null
 exit $status

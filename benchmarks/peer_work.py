@@ -16,6 +16,8 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import yaml
+
 HERE = Path(__file__).resolve()
 
 # Random-weight shapes (nothing downloaded); the tokenizer is the embedded tiny one (byte level), so a model
@@ -84,7 +86,22 @@ def spread_reward(completions, completion_ids, **_):
 
 
 def fastgrpo_config(spec: dict) -> dict:
-    """The config tree for ``python -m fastgrpo.train --config`` (YAML)."""
+    """The config tree for ``python -m fastgrpo.train --config`` (YAML), with the spec's ``fastgrpo_set`` overrides
+    (dotted ``KEY=VALUE``, values read as YAML) applied."""
+    tree = _fastgrpo_tree(spec)
+    for item in spec.get("fastgrpo_set", []):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--fastgrpo-set: {item!r} is not KEY=VALUE")
+        *path, last = key.split(".")
+        node = tree
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(value)
+    return tree
+
+
+def _fastgrpo_tree(spec: dict) -> dict:
     s, cuda = spec["shared"], spec["device"] == "cuda"
     S = spec["prompts_per_step"] * spec["generations"]
     rollout = {"engine": spec["engine"], "max_completion_length": spec["max_completion_length"],

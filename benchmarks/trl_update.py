@@ -176,19 +176,20 @@ class FastGRPOSide:
     name = "fastgrpo"
 
     def __init__(self, model_dir: Path, *, loss_type: str, max_completion_length: int, lr: float,
-                 device: torch.device, microbatch_tokens: int | None):
-        from fastgrpo.config import GRPOConfig, ModelConfig, OptimConfig, ParallelConfig, RolloutConfig
-        from fastgrpo.update.optim import build_adamw
+                 device: torch.device, microbatch_tokens: int | None, overrides: list[str] = ()):
+        from fastgrpo.config import GRPOConfig, ModelConfig, OptimConfig, RolloutConfig, load_config
         from fastgrpo.models.loading import load_model
-        from fastgrpo.distributed.parallelize import parallelize_model
+        from fastgrpo.update.bundle import build_trained
 
+        # --fastgrpo-set: the parallel section (bf16 masters, buckets, graphs...) and the micro-batch budget
+        cfg = load_config(None, list(overrides))
         model = load_model(ModelConfig(name_or_path=str(model_dir), dtype="float32"), device=device,
                            dtype=torch.float32)
-        self.model = parallelize_model(model, ParallelConfig(), device=device, world_size=1)
-        self.optimizer = build_adamw([p for p in self.model.parameters() if p.requires_grad],  # as fastgrpo.trainers.loop
-                                     OptimConfig(lr=lr, betas=[0.9, 0.99], weight_decay=0.0), device)
+        trained = build_trained(model, parallel=cfg.parallel, optim=OptimConfig(lr=lr, betas=[0.9, 0.99],
+                                weight_decay=0.0), device=device, world_size=1, total_steps=1)  # as the trainer
+        self.model, self.optimizer = trained.model, trained.optimizer
         self.grpo = GRPOConfig(loss_type=loss_type, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
-                               max_tokens_per_microbatch=microbatch_tokens)
+                               max_tokens_per_microbatch=cfg.grpo.max_tokens_per_microbatch or microbatch_tokens)
         self.rollout = RolloutConfig(max_completion_length=max_completion_length)
         self.device, self.batch = device, None
         self.sized_tokens = None  # the trainer's CUDA default: sized from free memory at the first update
@@ -325,7 +326,8 @@ def markdown(report: dict) -> str:
     head = (f"{report['device']}, {report['dtype']}; model {report['shape']} (random weights), S = "
             f"{report['sequences']} sequences (G = {report['generations']}), loss {report['loss_type']}, TRL "
             f"micro-batch {report['trl_micro_batch']} sequences, fastgrpo's {report['fastgrpo_microbatch_tokens']} "
-            f"tokens; gradient parity (one step, before clipping): max abs diff "
+            f"tokens{' (' + ' '.join(report['fastgrpo_set']) + ')' if report.get('fastgrpo_set') else ''}; "
+            f"gradient parity (one step, before clipping): max abs diff "
             f"{report['parity']['max_abs_diff']:.3g}, over the largest gradient {report['parity']['max_rel_diff']:.3g}"
             f"\n\n")
     lines = ["| batch | real tokens | TRL slots | padding | pairs | fastgrpo s | TRL s | fastgrpo / TRL, median "
@@ -361,7 +363,8 @@ def run(args, argv_text: str, root: Path, say=print) -> dict:
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     sides = {"fastgrpo": FastGRPOSide(model_dir, loss_type=args.loss_type, max_completion_length=cap, lr=1e-6,
-                                      device=device, microbatch_tokens=args.microbatch_tokens),
+                                      device=device, microbatch_tokens=args.microbatch_tokens,
+                                      overrides=getattr(args, "fastgrpo_set", [])),
              "trl": TRLSide(model_dir, sequences=args.sequences, generations=args.generations,
                             micro_batch=args.trl_micro_batch, loss_type=args.loss_type, max_completion_length=cap,
                             lr=1e-6, device=device, workdir=root / "trl-out")}
@@ -376,11 +379,14 @@ def run(args, argv_text: str, root: Path, say=print) -> dict:
     report = {"command": argv_text, "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
               "device": torch.cuda.get_device_name() if device.type == "cuda"
               else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-              "dtype": "bf16 autocast, float32 weights" if device.type == "cuda" else "float32",
+              "dtype": ("bf16 weights, float32 masters" if sides["fastgrpo"].model.autocast_dtype is None
+                        and next(sides["fastgrpo"].model.parameters()).dtype == torch.bfloat16
+                        else "bf16 autocast, float32 weights" if device.type == "cuda" else "float32"),
+              "fastgrpo_set": list(getattr(args, "fastgrpo_set", [])),
               "sequences": args.sequences, "generations": args.generations, "loss_type": args.loss_type,
               "trl_micro_batch": args.trl_micro_batch, "parity": parity, "versions": _versions(),
-              "fastgrpo_microbatch_tokens": args.microbatch_tokens or sides["fastgrpo"].sized_tokens
-              or microbatch_tokens(None, device),
+              "fastgrpo_microbatch_tokens": (sides["fastgrpo"].grpo.max_tokens_per_microbatch
+                                             or sides["fastgrpo"].sized_tokens or microbatch_tokens(None, device)),
               "batches": [{"name": b.name, "real_tokens": b.real_tokens, "padded_slots": b.padded_slots,
                            "padding_frac": b.padding_frac, **res[b.name]} for b in batches]}
     out = Path(args.out)

@@ -36,6 +36,21 @@ def test_both_configs_ask_for_the_same_grpo_run(name, engine, tmp_path):
     assert ours["loss_type"] == "dr_grpo" and ours["beta"] == 0.0
 
 
+def test_fastgrpo_set_overrides_reach_the_config_fastgrpo_reads(tmp_path):
+    """--fastgrpo-set (issue 38: the graphed configuration against TRL): dotted keys, values read as YAML, the
+    shared GRPO settings unchanged."""
+    spec = _spec("tiny", "hf", tmp_path) | {"fastgrpo_set": [
+        "parallel.master_weights=true", "parallel.token_buckets=[2048,4096]", "grpo.max_tokens_per_microbatch=4096"]}
+    path = tmp_path / "fastgrpo.yaml"
+    path.write_text(yaml.safe_dump(peer_work.fastgrpo_config(spec)))
+    cfg = load_config(path)
+    assert cfg.parallel.master_weights and cfg.parallel.token_buckets == [2048, 4096]
+    assert cfg.grpo.max_tokens_per_microbatch == 4096
+    assert peer_work.settings_of_fastgrpo(to_dict(cfg)) == peer_work.settings_of_trl(peer_work.trl_config(spec))
+    with pytest.raises(ValueError, match="is not KEY=VALUE"):
+        peer_work.fastgrpo_config(spec | {"fastgrpo_set": ["parallel.master_weights"]})
+
+
 @pytest.mark.parametrize("name", sorted(peer_work.WORKS))
 def test_trl_reads_the_same_settings(name, tmp_path):
     pytest.importorskip("trl")
@@ -274,6 +289,15 @@ def test_update_only_gradients_agree_with_trls_and_pairs_are_timed(tmp_path):
         for side in ("trl", "fastgrpo"):
             assert len(b["seconds"][side]) == 1 and b["seconds"][side][0] > 0 and b["peak_mb"][side][0] > 0
     assert "| countdown lengths |" in out.with_suffix(".md").read_text()
+    # the same with fastgrpo on bf16 weights with float32 masters and rows padded to buckets (--fastgrpo-set)
+    assert main(["--update-only", "--shape", "tiny", "--sequences", "8", "--generations", "4", "--trl-micro-batch",
+                 "4", "--completion-mean", "12", "--completion-cap", "24", "--repeats", "1", "--no-control",
+                 "--workdir", str(tmp_path), "--out", str(out), "--fastgrpo-set", "parallel.master_weights=true",
+                 "--fastgrpo-set", "parallel.token_buckets=[256,512]", "--fastgrpo-set",
+                 "grpo.max_tokens_per_microbatch=512"]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["dtype"] == "bf16 weights, float32 masters" and report["fastgrpo_microbatch_tokens"] == 512
+    assert report["parity"]["max_rel_diff"] < 0.1  # bf16 against TRL's float32
 
 
 def test_gpu_issue29_script_refuses_a_machine_without_cuda(tmp_path):
