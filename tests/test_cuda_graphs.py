@@ -151,10 +151,11 @@ def test_the_graphed_head_gives_the_eager_heads_loss_stats_and_gradients(weights
     from fastgrpo.config import GRPOConfig, RolloutConfig
     from fastgrpo.models.loading import get_trunk_and_head
     from fastgrpo.runtime.metrics import StepMetrics
-    from fastgrpo.update.cuda_graphs import graph_head
+    from fastgrpo.update.cuda_graphs import GradientBuffers, graph_head
     from fastgrpo.update.step import optimizer_update, plan_step
 
     model = _model("cuda", "torch_varlen", **({"master_weights": True} if weights == "bf16" else {}))
+    model.gradient_buffers = GradientBuffers(model.parameters())  # as build_trained sets it with cuda_graphs
     objective = PolicyObjective.from_config(GRPOConfig(loss_type="dr_grpo", beta=0.04, head_backend=backend),
                                             RolloutConfig(), "cuda")
     g = torch.Generator().manual_seed(0)
