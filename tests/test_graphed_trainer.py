@@ -16,8 +16,9 @@ from fastgrpo.config import load_config
 from fastgrpo.update import cuda_graphs
 from test_trainer import TOY
 
-SETTINGS = ["parallel.master_weights=true", "parallel.token_buckets=[256,512,1024]", "grpo.prompts_per_step=4",
-            "grpo.num_generations=4", "max_steps=2", "checkpoint.every=1"]
+SETTINGS = ["parallel.master_weights=true", "grpo.prompts_per_step=4", "grpo.num_generations=4", "max_steps=2",
+            "checkpoint.every=1"]
+BUCKETS = "parallel.token_buckets=[256,512,1024]"  # what 'auto' resolves to at the CPU's budget of 1024 tokens
 
 
 def _fake_capture(callables, samples, num_warmup_iters=3, pool=None):
@@ -65,15 +66,19 @@ def _state(trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("case", ["grpo", "grpo-lora", "ppo"])
+@pytest.mark.parametrize("case", ["grpo", "grpo-lora", "ppo", "grpo-auto-buckets"])
 def test_a_graphed_run_trains_as_the_plain_run_and_resumes(tmp_path, graphs_on_cpu, case):
-    extra = {"grpo": [], "grpo-lora": ["model.lora.rank=4"],
+    """``grpo-auto-buckets``: cuda_graphs without token_buckets pads to the budget's buckets and graphs those rows,
+    as the plain run with those buckets listed."""
+    extra = {"grpo": [], "grpo-lora": ["model.lora.rank=4"], "grpo-auto-buckets": [],
              "ppo": ["algorithm=ppo", "ppo.critic_lr=1e-2", "ppo.num_mini_batches=2"]}[case]
-    plain = _run(tmp_path, "plain", *extra)
-    graphed = _run(tmp_path, "graphed", "parallel.cuda_graphs=true", *extra)
+    graphed_extra = ["parallel.cuda_graphs=true", *([] if case == "grpo-auto-buckets" else [BUCKETS]), *extra]
+    plain = _run(tmp_path, "plain", BUCKETS, *extra)
+    graphed = _run(tmp_path, "graphed", *graphed_extra)
     blocks = parallelize.transformer_blocks(graphed.model).block_graphs
     heads = graphed.model.head_graphs
     assert blocks.captures >= 1 and blocks.replays > 0, "the block graphs' path did not run"
+    assert blocks.buckets == (None if case == "grpo-auto-buckets" else {256, 512, 1024})
     assert heads.captures >= 1 and heads.replays > 0, "the head graphs' path did not run"
     assert graphed.model.gradient_buffers.params and not hasattr(plain.model, "gradient_buffers")
     if case == "ppo":  # the critic trains through its own graphed blocks (its value head is no TokenHead: eager)
@@ -84,8 +89,8 @@ def test_a_graphed_run_trains_as_the_plain_run_and_resumes(tmp_path, graphs_on_c
     for k in a:
         assert torch.equal(a[k], b[k]), k
     # a resume from step 1's checkpoint of a graphed run ends where the straight run did
-    _run(tmp_path, "resumed", "parallel.cuda_graphs=true", *extra, "max_steps=1")
-    resumed = _run(tmp_path, "resumed", "parallel.cuda_graphs=true", *extra)
+    _run(tmp_path, "resumed", *graphed_extra, "max_steps=1")
+    resumed = _run(tmp_path, "resumed", *graphed_extra)
     assert resumed.step == 2
     c = _state(resumed)
     for k in a:

@@ -99,8 +99,9 @@ def test_a_bf16_run_with_float32_masters_tracks_the_float32_run():
 def test_master_weights_config_is_checked():
     with pytest.raises(ConfigError, match="parallel.master_weights"):
         ParallelConfig(master_weights=True, param_dtype="float32").validate("parallel")
+    ParallelConfig(cuda_graphs=True).validate("parallel")  # the buckets default to the budget's (auto)
     with pytest.raises(ConfigError, match="parallel.cuda_graphs"):
-        ParallelConfig(cuda_graphs=True).validate("parallel")
+        ParallelConfig(cuda_graphs=True, activation_checkpointing=True).validate("parallel")
     with pytest.raises(ConfigError, match="parallel.token_buckets"):
         ParallelConfig(token_buckets=[1]).validate("parallel")
 

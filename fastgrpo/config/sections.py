@@ -524,14 +524,13 @@ class ParallelConfig:
     registered varlen op)."""
     token_buckets: list[int] = field(default_factory=list)
     """Pad each packed micro-batch up to the smallest of these token counts (static shapes, the tail a dummy segment
-    that predicts nothing); [] = no padding, or with compile the micro-batch budget's 1/4, 1/2 and 1 (cuda_graphs
-    without compile needs them listed: the row lengths to capture)."""
+    that predicts nothing); [] = no padding, or with compile / cuda_graphs the micro-batch budget's 1/4, 1/2 and 1."""
     master_weights: bool = False
     """One plain GPU (or CPU): forward and backward on ``param_dtype`` weights, AdamW on float32 masters of them (no
     autocast); off: float32 weights with autocast on CUDA, float32 on a CPU."""
     cuda_graphs: bool = False
     """One plain GPU: replay the blocks' forward and backward from CUDA graphs captured per token bucket (a row that
-    fits no bucket runs eagerly); with compile, inductor's graphs (mode reduce-overhead); else needs token_buckets.
+    fits no bucket runs eagerly); with compile, inductor's graphs (mode reduce-overhead).
     The parameters' gradients then live in buffers kept between updates (a graph's own gradient buffers must never
     become ``.grad``: fastgrpo.update.cuda_graphs)."""
     cuda_graphs_head: bool = True
@@ -541,8 +540,6 @@ class ParallelConfig:
     def validate(self, p: str) -> None:
         check(all(isinstance(b, int) and b >= 2 for b in self.token_buckets), f"{p}.token_buckets",
               f"every bucket must be a token count >= 2, got {self.token_buckets}")
-        check(not self.cuda_graphs or self.compile or self.token_buckets, f"{p}.cuda_graphs",
-              "needs parallel.token_buckets (the row lengths to capture) or parallel.compile=true")
         check(not (self.cuda_graphs and self.activation_checkpointing), f"{p}.cuda_graphs",
               "does not combine with parallel.activation_checkpointing (a graph replays the backward it captured)")
         check(not self.master_weights or self.param_dtype != "float32", f"{p}.master_weights",

@@ -204,7 +204,7 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
         _apply_fsdp(model, blocks, cfg, device, world_size)
     assert _tied(model) == tied, "parallelize_model must not untie (or tie) the embeddings"
     # Static shapes: what the step plan pads each packed row to (compiled blocks: one graph per bucket)
-    model.token_buckets = list(cfg.token_buckets) or (AUTO_BUCKETS if cfg.compile else [])
+    model.token_buckets = list(cfg.token_buckets) or (AUTO_BUCKETS if cfg.compile or cfg.cuda_graphs else [])
     # One plain GPU: forwards run under autocast (packed_head_forward, the hf engine), float32 weights as masters.
     model.autocast_dtype = None if cfg.master_weights else autocast_dtype(cfg, device, world_size)
     # Bound to this instance so that FSDP's pre/post-forward hooks can wrap it like forward.

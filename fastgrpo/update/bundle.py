@@ -44,7 +44,7 @@ def build_trained(model: torch.nn.Module, *, parallel: ParallelConfig, optim: Op
     ``total_steps`` optimizer updates, and a guard allowing ``optim.max_nonfinite_steps`` skips in a row."""
     model = parallelize_model(model, parallel, device=device, world_size=world_size)
     if parallel.cuda_graphs and not parallel.compile:  # (compiled blocks are graphed by inductor: parallelize)
-        graph_blocks(transformer_blocks(model), parallel.token_buckets)
+        graph_blocks(transformer_blocks(model), parallel.token_buckets or None)  # None: 'auto', any row length
     if parallel.cuda_graphs and parallel.cuda_graphs_head:  # the head loss per padded row count (a TokenHead's)
         graph_head(model, get_trunk_and_head(model)[1])
     if parallel.cuda_graphs:  # a graphed backward's static gradients must not become .grad (update.cuda_graphs)

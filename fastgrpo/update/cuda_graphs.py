@@ -13,9 +13,11 @@ that hands the parameter gradients to autograd); later rows of that shape replay
 its boundary count (``cu_seqlens`` entries), its ``max_seqlen`` (the step plan keeps both to a few values:
 ``fastgrpo.update.step.plan_step``), the dtypes and the autocast state: a graph replays exactly the kernels it
 captured, so each of them must match. All shapes share one memory pool (``torch.cuda.graph_pool_handle``): one
-micro-batch's forward and backward run before the next one's, so no two shapes' graphs are live at a time. A row
-whose length is no bucket (a sequence longer than every bucket), a forward without gradients (the log-prob passes)
-and a call on another device run the block eagerly. Each block's ``forward`` is replaced on the instance, so
+micro-batch's forward and backward run before the next one's, so no two shapes' graphs are live at a time. With
+``parallel.token_buckets`` left empty the buckets are the micro-batch budget's 1/4, 1/2 and 1 ('auto', resolved by
+the step plan once the budget is known) and any row length is taken. A row whose length is no listed bucket (a
+sequence longer than every bucket), a shape past ``max_shapes`` (8: each keeps its own activations and gradient
+buffers), a forward without gradients (the log-prob passes) and a call on another device run the block eagerly. Each block's ``forward`` is replaced on the instance, so
 parameter names (checkpoints, exports) do not change. :attr:`BlockGraphs.captures` / ``replays`` / ``eager_calls``
 count what happened (``benchmarks/bench_update_variants.py`` reports them); ``graph_blocks`` leaves the object on
 the blocks' ``ModuleList`` as ``block_graphs``.
@@ -110,10 +112,14 @@ class _Shape:
 class BlockGraphs:
     """The graphs of all blocks, per row shape (module doc)."""
 
-    def __init__(self, blocks: nn.ModuleList, buckets: Sequence[int], *, warmup_iters: int = 3) -> None:
+    def __init__(self, blocks: nn.ModuleList, buckets: Sequence[int] | None, *, warmup_iters: int = 3,
+                 max_shapes: int = 8) -> None:
         self.blocks = list(blocks)
         self.forwards = [block.forward for block in self.blocks]  # the eager forwards
-        self.buckets = set(check_buckets(buckets, "parallel.token_buckets"))
+        # None: any row length (parallel.token_buckets left to 'auto': the step plan pads every row that fits the
+        # budget to one of the budget's buckets, so only an oversize row brings another length)
+        self.buckets = None if buckets is None else set(check_buckets(buckets, "parallel.token_buckets"))
+        self.max_shapes = max_shapes
         self.warmup_iters = warmup_iters
         self.graphed: dict[_Shape, tuple] = {}  # shape -> one graphed callable per block
         self.pool = None  # one memory pool for every shape's graphs
@@ -161,7 +167,7 @@ class BlockGraphs:
         cu = kwargs.get("cu_seq_lens_q")
         max_seqlen = kwargs.get("max_length_q")
         if not (hidden_states.device.type == DEVICE_TYPE and torch.is_grad_enabled()
-                and hidden_states.shape[1] in self.buckets
+                and (self.buckets is None or hidden_states.shape[1] in self.buckets)
                 and not args and position_embeddings is not None and cu is not None and isinstance(max_seqlen, int)):
             self.eager_calls += 1
             return self.forwards[index](hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
@@ -170,6 +176,9 @@ class BlockGraphs:
         shape = _Shape(hidden_states.shape[1], cu.numel(), max_seqlen, hidden_states.dtype, cos.dtype,
                        hidden_states.requires_grad, autocast)
         graphed = self.graphed.get(shape)
+        if graphed is None and len(self.graphed) >= self.max_shapes:  # each shape holds its own activations and
+            self.eager_calls += 1  # gradient buffers: past the cap, new shapes run eagerly
+            return self.forwards[index](hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
         if graphed is None:
             graphed = self.capture(shape, hidden_size=hidden_states.shape[-1], head_dim=cos.shape[-1],
                                    device=hidden_states.device)
@@ -177,13 +186,12 @@ class BlockGraphs:
         return graphed[index](hidden_states, cos, sin, cu)
 
 
-def graph_blocks(blocks: nn.ModuleList, buckets: Sequence[int], *, warmup_iters: int = 3) -> BlockGraphs:
-    """Route every block's forward through a :class:`BlockGraphs` over ``buckets`` (also left on ``blocks`` as
-    ``block_graphs``). ValueError without CUDA or without buckets (the row lengths to capture)."""
+def graph_blocks(blocks: nn.ModuleList, buckets: Sequence[int] | None, *, warmup_iters: int = 3,
+                 max_shapes: int = 8) -> BlockGraphs:
+    """Route every block's forward through a :class:`BlockGraphs` over ``buckets`` (None or empty: any row length,
+    at most ``max_shapes`` shapes; also left on ``blocks`` as ``block_graphs``). ValueError without CUDA."""
     _require_cuda()
-    if not buckets:
-        raise ValueError("parallel.cuda_graphs needs parallel.token_buckets: the row lengths to capture")
-    graphs = BlockGraphs(blocks, buckets, warmup_iters=warmup_iters)
+    graphs = BlockGraphs(blocks, buckets or None, warmup_iters=warmup_iters, max_shapes=max_shapes)
     for i, block in enumerate(graphs.blocks):
         def forward(self, hidden_states, *args, _i=i, **kwargs):
             if graphs.blocks[_i] is not self:  # a copy of the block (the hf engine's decode copy): its own forward
