@@ -16,8 +16,9 @@ from fastgrpo.config import load_config
 from fastgrpo.update import cuda_graphs
 from test_trainer import TOY
 
+# varlen_op: what cuda_graphs switches sdpa_varlen (the CPU's default) to, named for the plain run too
 SETTINGS = ["parallel.master_weights=true", "grpo.prompts_per_step=4", "grpo.num_generations=4", "max_steps=2",
-            "checkpoint.every=1"]
+            "checkpoint.every=1", "model.attn_implementation=varlen_op"]
 BUCKETS = "parallel.token_buckets=[256,512,1024]"  # what 'auto' resolves to at the CPU's budget of 1024 tokens
 
 

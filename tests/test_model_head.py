@@ -98,3 +98,17 @@ def test_probe_catches_post_processing_the_config_does_not_name(tmp_path):
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.weight.shape[0]))
     with pytest.raises(NotImplementedError, match="bias"):
         check_plain_head(model)
+
+
+def test_the_probe_runs_a_packed_rows_only_attention_through_its_decoding_one():
+    """model.attn_implementation=varlen_op (packed rows only; what parallel.compile and cuda_graphs run) failed the
+    load-time probe's plain forward; the probe now runs with the implementation the backend decodes with and puts
+    the training one back."""
+    from transformers import AutoModelForCausalLM
+
+    from fastgrpo.models.attention import register_with_transformers
+
+    register_with_transformers()
+    model = AutoModelForCausalLM.from_pretrained(build_tiny(), attn_implementation="varlen_op").train()
+    check_plain_head(model)
+    assert model.config._attn_implementation == "varlen_op" and model.training

@@ -192,6 +192,10 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
         model.to(_DTYPES[cfg.param_dtype])
     if cfg.activation_checkpointing:
         _apply_activation_checkpointing(blocks)
+    if cfg.cuda_graphs and getattr(model.config, "_attn_implementation", None) == "sdpa_varlen":
+        # sdpa_varlen reads the row's boundaries on the host without the packed forward's host copy (which a
+        # captured block does not get): a sync that capture refuses. The registered varlen op takes them on the device.
+        model.set_attn_implementation("varlen_op")
     if cfg.compile:
         # parallel.cuda_graphs on CUDA: inductor's CUDA graph trees (per shape, one pool, warm-up) on the compiled
         # blocks; without compile the update graphs the eager blocks (fastgrpo.update.cuda_graphs)

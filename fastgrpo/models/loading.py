@@ -28,7 +28,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fastgrpo.models.attention import choose_attn_implementation, packed_attention_inputs, register_with_transformers
+from fastgrpo.models.attention import (choose_attn_implementation, decoding_attn_implementation,
+                                       packed_attention_inputs, register_with_transformers)
 from fastgrpo.config import ModelConfig
 from fastgrpo.models.packing import MicroBatch
 from fastgrpo.models.sources import PACKAGED_GGUF, convert_gguf, packaged_gguf_path
@@ -243,11 +244,19 @@ def check_plain_head(model: nn.Module, *, probe_tokens: int = 8) -> None:
     vocab = head.weight.shape[0]
     ids = (torch.arange(probe_tokens, device=head.weight.device) % vocab)[None]  # [1, T]
     was_training = model.training
+    # a packed-rows-only attention (varlen_op) cannot run a plain forward: probe with the one it decodes with
+    impl = getattr(model.config, "_attn_implementation", None)
+    probe = decoding_attn_implementation(impl)
+    switch = probe != impl and hasattr(model, "set_attn_implementation")
     model.eval()  # dropout would make the two forwards differ
     try:
+        if switch:
+            model.set_attn_implementation(probe)
         logits = model(input_ids=ids, use_cache=False).logits.float()  # [1, T, V]
         plain = head(trunk(input_ids=ids, use_cache=False).last_hidden_state).float()
     finally:
+        if switch:
+            model.set_attn_implementation(impl)
         model.train(was_training)
     gap = (logits - plain).abs().max().item()
     if gap > 1e-3 * max(1.0, plain.abs().max().item()):
