@@ -289,6 +289,8 @@ class AttnBackend:
     """Extra trunk kwargs that mark the sequence boundaries of a packed row."""
     decode_with: str | None = None
     """Implementation the HF rollout engine decodes with; None = this one."""
+    plain_forward: bool = True
+    """Whether it runs a plain forward (no packed-row boundaries); False: packed rows only."""
 
 
 ATTN_BACKENDS: dict[str, AttnBackend] = {}
@@ -312,7 +314,8 @@ register_attn_backend("torch_varlen", AttnBackend(check=_needs_torch_varlen, pac
                                                   decode_with="sdpa"))
 # One registered op per layer (fastgrpo.models.varlen_op; torch's varlen op on CUDA in bf16): what compiled blocks
 # run (parallel.compile switches sdpa_varlen / torch_varlen to it); decodes with sdpa.
-register_attn_backend("varlen_op", AttnBackend(packed_inputs=_op_varlen_inputs, decode_with="sdpa"))
+register_attn_backend("varlen_op", AttnBackend(packed_inputs=_op_varlen_inputs, decode_with="sdpa",
+                                               plain_forward=False))
 
 
 def choose_attn_implementation(requested: str, device: torch.device | str) -> str:
@@ -344,6 +347,13 @@ def decoding_attn_implementation(impl: str | None) -> str | None:
     if backend is None or backend.decode_with is None:
         return impl
     return backend.decode_with
+
+
+def plain_forward_attn_implementation(impl: str | None) -> str | None:
+    """The implementation to run a plain forward (no packed-row boundaries) with: ``impl`` itself, or for a
+    packed-rows-only backend the one it decodes with."""
+    backend = ATTN_BACKENDS.get(impl) if impl is not None else None
+    return impl if backend is None or backend.plain_forward else backend.decode_with
 
 
 def packed_attention_inputs(config: Any, mb: MicroBatch) -> dict[str, Any]:

@@ -28,8 +28,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fastgrpo.models.attention import (choose_attn_implementation, decoding_attn_implementation,
-                                       packed_attention_inputs, register_with_transformers)
+from fastgrpo.models.attention import (choose_attn_implementation, packed_attention_inputs,
+                                       plain_forward_attn_implementation, register_with_transformers)
 from fastgrpo.config import ModelConfig
 from fastgrpo.models.packing import MicroBatch
 from fastgrpo.models.sources import PACKAGED_GGUF, convert_gguf, packaged_gguf_path
@@ -246,7 +246,7 @@ def check_plain_head(model: nn.Module, *, probe_tokens: int = 8) -> None:
     was_training = model.training
     # a packed-rows-only attention (varlen_op) cannot run a plain forward: probe with the one it decodes with
     impl = getattr(model.config, "_attn_implementation", None)
-    probe = decoding_attn_implementation(impl)
+    probe = plain_forward_attn_implementation(impl)
     switch = probe != impl and hasattr(model, "set_attn_implementation")
     model.eval()  # dropout would make the two forwards differ
     try:
