@@ -22,8 +22,10 @@ SETTINGS = ["parallel.master_weights=true", "grpo.prompts_per_step=4", "grpo.num
 BUCKETS = "parallel.token_buckets=[256,512,1024]"  # what 'auto' resolves to at the CPU's budget of 1024 tokens
 
 
-def _fake_capture(callables, samples, num_warmup_iters=3, pool=None):
-    """torch.cuda.make_graphed_callables' contract with eager calls: warm-up calls, then the callables themselves."""
+def fake_capture(callables, samples, num_warmup_iters=3, pool=None):
+    """torch.cuda.make_graphed_callables' contract with eager calls: warm-up calls, then the callables themselves
+    (fresh outputs per call, where the real ones are static buffers). The pool is the stood-in handle."""
+    assert pool == "pool" and num_warmup_iters == 3
     one = not isinstance(callables, tuple)
     callables, samples = ((callables,), (samples,)) if one else (callables, samples)
     for _ in range(num_warmup_iters):
@@ -43,7 +45,7 @@ def graphs_on_cpu(monkeypatch):
         monkeypatch.setattr(module, "check_parallel", check_without_graphs)
     monkeypatch.setattr(cuda_graphs, "_require_cuda", lambda: None)
     monkeypatch.setattr(cuda_graphs, "DEVICE_TYPE", "cpu")
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _fake_capture)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
 
 

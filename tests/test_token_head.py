@@ -21,6 +21,7 @@ from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update import cuda_graphs
 from fastgrpo.update.head import BoundHead, TokenHead, pad_rows, padded_rows
 from fastgrpo.update.step import optimizer_update, plan_step
+from test_graphed_trainer import fake_capture
 
 H, V = 24, 50
 
@@ -144,22 +145,13 @@ def test_heads_of_equal_settings_share_a_key_and_others_do_not():
     assert a.key != c.key
 
 
-def _fake_capture(call, samples, num_warmup_iters, pool):
-    """An eager stand-in for torch.cuda.make_graphed_callables: warm-up calls (which name the stats), then the
-    module itself, fresh outputs per call (the real one's outputs are static buffers: run() clones them)."""
-    assert pool == "pool" and num_warmup_iters == 3
-    for _ in range(num_warmup_iters):
-        call(*samples)
-    return call
-
-
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["plain", "autocast-bf16"])
 def test_the_head_graphs_plumbing_gives_the_eager_update(monkeypatch, autocast):
     """An update through HeadGraphs (capture stood in by an eager call, device checks off) equals the plain
     update: loss, stats, every gradient; one capture per padded row count, replays after. ``autocast``: the trunk
     under autocast and the head cast inside the graph's module (float32 weights on one GPU; here on the CPU)."""
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _fake_capture)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_capture)
     monkeypatch.setattr(cuda_graphs, "DEVICE_TYPE", "cpu")  # the graphs take CPU rows
     grpo = GRPOConfig(loss_type="dr_grpo", beta=0.04, head_backend="torch")
     objective = PolicyObjective.from_config(grpo, RolloutConfig(), "cpu")

@@ -64,6 +64,18 @@ def _apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
 # Backends that hand the attention host ints of the row's boundaries: each new set would be a guard failure (a
 # recompile) in a compiled block, so compiled blocks run the same attention as one registered op on a boundary tensor.
 _HOST_BOUNDS_BACKENDS = ("sdpa_varlen", "torch_varlen")
+# Backends a captured CUDA graph cannot run: sdpa_varlen reads the row's boundaries on the host without the packed
+# forward's host copy (which a captured block does not get), a sync that capture refuses. (torch_varlen takes the
+# boundaries as a device tensor and max_seqlen as an int fixed per captured shape.)
+_UNCAPTURABLE_BACKENDS = ("sdpa_varlen",)
+
+
+def _use_varlen_op(model: nn.Module, cfg: ParallelConfig) -> None:
+    """Switch to the registered varlen op (boundaries on the device) where compiled blocks or CUDA graphs cannot
+    run the configured attention."""
+    refused = _HOST_BOUNDS_BACKENDS if cfg.compile else _UNCAPTURABLE_BACKENDS if cfg.cuda_graphs else ()
+    if getattr(model.config, "_attn_implementation", None) in refused:
+        model.set_attn_implementation("varlen_op")
 
 
 MAX_BLOCK_GRAPHS = 64
@@ -75,8 +87,6 @@ def _apply_compile(model: nn.Module, blocks: nn.ModuleList, mode: str | None = N
     # the parameters as inputs). fullgraph: a graph break would split the block and bring back the host dispatch
     # compiling is there to remove. dynamic=False: the packed rows are padded to a few token buckets
     # (parallel.token_buckets), so each bucket is one static-shape graph, reused by every later step.
-    if getattr(model.config, "_attn_implementation", None) in _HOST_BOUNDS_BACKENDS:
-        model.set_attn_implementation("varlen_op")
     # One graph per row shape (bucket, boundary count, max_seqlen; fastgrpo.update.step.plan_step keeps each to a
     # few values), every one an entry of the same code object (all blocks share their forward): past dynamo's
     # default of 8 entries the blocks of a run's later shapes would run eagerly, with only a log line to say so.
@@ -192,10 +202,7 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
         model.to(_DTYPES[cfg.param_dtype])
     if cfg.activation_checkpointing:
         _apply_activation_checkpointing(blocks)
-    if cfg.cuda_graphs and getattr(model.config, "_attn_implementation", None) == "sdpa_varlen":
-        # sdpa_varlen reads the row's boundaries on the host without the packed forward's host copy (which a
-        # captured block does not get): a sync that capture refuses. The registered varlen op takes them on the device.
-        model.set_attn_implementation("varlen_op")
+    _use_varlen_op(model, cfg)
     if cfg.compile:
         # parallel.cuda_graphs on CUDA: inductor's CUDA graph trees (per shape, one pool, warm-up) on the compiled
         # blocks; without compile the update graphs the eager blocks (fastgrpo.update.cuda_graphs)

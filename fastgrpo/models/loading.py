@@ -307,10 +307,14 @@ def packed_head_forward(model: torch.nn.Module, mb: MicroBatch,
     else:
         with torch.autocast(lm_head.weight.device.type, dtype=dtype):
             hidden = packed_hidden_states(trunk, mb)  # [N, H]; float32 where the residual stream is (as under AMP)
-    if graphs is not None:  # the same call, replayed from a CUDA graph where it can be
-        return graphs.forward(head, hidden, dtype)
-    if dtype is None:
-        return head(hidden, lm_head.weight)  # weight: [V, H]
-    # The head runs outside autocast on both operands cast (differentiably) to the compute dtype, as an autocast
-    # lm_head would: the kernels reduce in float32 themselves, and the weight's gradient lands in float32.
-    return head(hidden.to(dtype), lm_head.weight.to(dtype))
+
+    def eager() -> Any:
+        if dtype is None:
+            return head(hidden, lm_head.weight)  # weight: [V, H]
+        # The head runs outside autocast on both operands cast (differentiably) to the compute dtype, as an autocast
+        # lm_head would: the kernels reduce in float32 themselves, and the weight's gradient lands in float32.
+        return head(hidden.to(dtype), lm_head.weight.to(dtype))
+
+    if graphs is not None:  # the same call, replayed from a CUDA graph where it can be (eager() where not)
+        return graphs.forward(head, hidden, dtype, eager)
+    return eager()

@@ -54,8 +54,8 @@ def decode_step_bytes(model: torch.nn.Module, *, sequences: int, batch_size: int
     since a step looks up one row of it per sequence), and each sequence's key / value cache of ``context`` tokens
     once. Weights and cache in the model's parameter dtype."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    params = {id(p): p for p in model.parameters()}.values()  # a tied head counted once
-    elem = next(iter(params)).element_size()
+    params = list(model.parameters())  # a tied head once: parameters() yields each tensor once
+    elem = params[0].element_size()
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is embed

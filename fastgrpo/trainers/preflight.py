@@ -29,7 +29,7 @@ LOGS = ("metrics.jsonl", "completions.jsonl")
 """The run folder's append-only logs."""
 
 
-def check_launch(cfg: TrainConfig, world_size: int, device: torch.device | str = "cpu") -> None:
+def check_launch(cfg: TrainConfig, world_size: int, device: torch.device | str) -> None:
     """The parallel settings fit the launch (``world_size`` processes on ``device``)."""
     check_parallel(cfg.parallel, device, world_size)  # what parallelize_model would refuse after the load
     if not cfg.parallel.fsdp and world_size > 1:

@@ -169,21 +169,24 @@ class BlockGraphs:
         if not (hidden_states.device.type == DEVICE_TYPE and torch.is_grad_enabled()
                 and (self.buckets is None or hidden_states.shape[1] in self.buckets)
                 and not args and position_embeddings is not None and cu is not None and isinstance(max_seqlen, int)):
-            self.eager_calls += 1
-            return self.forwards[index](hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
+            return self._eager(index, hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
         cos, sin = position_embeddings
         autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         shape = _Shape(hidden_states.shape[1], cu.numel(), max_seqlen, hidden_states.dtype, cos.dtype,
                        hidden_states.requires_grad, autocast)
         graphed = self.graphed.get(shape)
         if graphed is None and len(self.graphed) >= self.max_shapes:  # each shape holds its own activations and
-            self.eager_calls += 1  # gradient buffers: past the cap, new shapes run eagerly
-            return self.forwards[index](hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
+            # gradient buffers: past the cap, new shapes run eagerly
+            return self._eager(index, hidden_states, position_embeddings=position_embeddings, **kwargs)
         if graphed is None:
             graphed = self.capture(shape, hidden_size=hidden_states.shape[-1], head_dim=cos.shape[-1],
                                    device=hidden_states.device)
         self.replays += 1
         return graphed[index](hidden_states, cos, sin, cu)
+
+    def _eager(self, index: int, *args, **kwargs):
+        self.eager_calls += 1
+        return self.forwards[index](*args, **kwargs)
 
 
 def graph_blocks(blocks: nn.ModuleList, buckets: Sequence[int] | None, *, warmup_iters: int = 3,
@@ -258,13 +261,13 @@ class HeadGraphs:
         return (isinstance(head, BoundHead) and hidden.device.type == DEVICE_TYPE and torch.is_grad_enabled()
                 and hidden.shape[0] > 0 and not torch.is_autocast_enabled("cuda"))
 
-    def forward(self, head: Callable, hidden: torch.Tensor, dtype: torch.dtype | None):
+    def forward(self, head: Callable, hidden: torch.Tensor, dtype: torch.dtype | None, eager: Callable[[], Any]):
         """``head(hidden, lm_head.weight)``, both cast to ``dtype`` when not None: from the graph of its shape
         (captured on its first call) when :meth:`takes` it and it is one of the first ``max_shapes`` shapes, else
-        eagerly. A graphed call returns ``(loss, stats)`` of the real rows as fresh tensors (a replay overwrites the
-        graph's outputs)."""
+        ``eager()`` (``packed_head_forward``'s own call). A graphed call returns ``(loss, stats)`` of the real rows
+        as fresh tensors (a replay overwrites the graph's outputs)."""
         if not self.takes(head, hidden):
-            return self._eager(head, hidden, dtype)
+            return self._eager(eager)
         weight = self.lm_head.weight
         tensors = head.head.gather(head.mb)
         n = hidden.shape[0]
@@ -274,7 +277,7 @@ class HeadGraphs:
                            weight.requires_grad)
         entry = self.graphed.get(shape)
         if entry is None and len(self.graphed) >= self.max_shapes:
-            return self._eager(head, hidden, dtype)
+            return self._eager(eager)
         args = (pad_rows(hidden, rows), *(pad_rows(tensors[k], rows) for k in names))
         if entry is None:
             entry = self.capture(shape, head.head.compute, args)
@@ -284,10 +287,9 @@ class HeadGraphs:
         stats = stats.clone()  # [K]
         return loss.clone(), dict(zip(call.stat_names, stats.unbind()))
 
-    def _eager(self, head: Callable, hidden: torch.Tensor, dtype: torch.dtype | None):
+    def _eager(self, eager: Callable[[], Any]):
         self.eager_calls += 1
-        weight = self.lm_head.weight
-        return head(hidden, weight) if dtype is None else head(hidden.to(dtype), weight.to(dtype))
+        return eager()
 
     def capture(self, shape: _HeadShape, compute: Callable, args: tuple[torch.Tensor, ...]):
         """Capture ``compute``'s forward and backward for ``shape`` with sample inputs like ``args``."""
