@@ -82,10 +82,10 @@ def test_seeded_generation_is_the_same_with_the_lean_step(models, preset, temper
                             logprobs=True)
     engines = {d: HFEngine(model, tok, batch_size=8, decode=d) for d in ("transformers", "lean")}
     assert engines["lean"].lean_decoder() is not None and engines["transformers"].lean_decoder() is None
-    out = {d: [c for row in e.generate(prompts, 3, params) for c in row] for d, e in engines.items()}
-    assert [c.token_ids for c in out["lean"]] == [c.token_ids for c in out["transformers"]]
-    for a, b in zip(out["lean"], out["transformers"]):
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+    out = {d: e.generate(prompts, 3, params) for d, e in engines.items()}
+    # the same tokens and log-probs up to an exact tie flipped by rounding (seen with top_p 0.9, seed 3105697101:
+    # tokens 189 and 249 both at log-prob -5.69997883, sorted the other way round by the two paths)
+    _assert_same_samples(out["lean"], out["transformers"])
 
 
 def test_auto_uses_the_lean_step_where_supported(models):
