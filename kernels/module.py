@@ -296,11 +296,12 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             "old_per_token_logps": old_per_token_logps, "vllm_is_ratio": vllm_is_ratio})
         if advantages.dim() != 1:
             raise ValueError(f"advantages must be [B]={b} (one per sequence), got {tuple(advantages.shape)}")
+        kind = LIGER_LOSS_TYPES[self.loss_type]
+        # luspo's KL term reads the padding positions too: the reference head must score every position
         ref = self._reference(ref_per_token_logps, ref_input, ref_weight, ref_bias, lin_weight, selected_token_ids,
-                              attention_mask)
+                              torch.ones_like(attention_mask) if kind.every_position else attention_mask)
         # without use_ref_model Liger's reference is the policy itself: k3 and its gradient are 0
         beta = self.beta if ref is not None else 0.0
-        kind = LIGER_LOSS_TYPES[self.loss_type]
         mask = attention_mask.to(torch.float32)  # [B, T]
         weights = kind.weights(mask, self.max_completion_length, num_items_in_batch)  # [B, T]
         policy_weights, kl_weights = weights, None
@@ -328,8 +329,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         metrics = self._metrics(stats["logprobs"], mask, advantages, old_per_token_logps, ref, beta)
         return loss, metrics
 
-    def _reference(self, ref_logps, ref_input, ref_weight, ref_bias, lin_weight, targets, attention_mask):
-        """The reference log-probs ``[B, T]`` Liger would use, or None (its KL term is then 0)."""
+    def _reference(self, ref_logps, ref_input, ref_weight, ref_bias, lin_weight, targets, scored):
+        """The reference log-probs ``[B, T]`` Liger would use, or None (its KL term is then 0). From ``ref_input``
+        they are computed where ``scored`` ``[B, T]`` is set (0 elsewhere): the positions the loss reads."""
         if not self.use_ref_model or self.beta == 0.0:
             return None  # Liger reads no reference without use_ref_model, and beta 0 needs none
         if ref_logps is not None:
@@ -339,7 +341,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                              "the same); pass one, or use_ref_model=False for a KL term of 0")
         with torch.no_grad():
             return padded_logprobs(ref_input, lin_weight if ref_weight is None else ref_weight, targets,
-                                   attention_mask, bias=ref_bias, temperature=self.temperature, backend=self.backend)
+                                   scored, bias=ref_bias, temperature=self.temperature, backend=self.backend)
 
     @torch.no_grad()
     def _metrics(self, logp, mask, advantages, old, ref, beta):

@@ -349,3 +349,74 @@ def test_empty_batches_give_a_zero_loss_and_zero_gradients(shape, loss_type):
     assert loss.item() == 0.0 and [m.item() for m in metrics] == [0.0]
     gx, gw = torch.autograd.grad(loss, [x, w])
     assert gx.shape == x.shape and not gx.any() and not gw.any()
+
+
+# -- at Liger's own test shape (its test_grpo_loss: B=8, T=128, H=128, V=1024), in bf16 and float32 -------------------
+
+LIGER_SHAPE = (8, 128, 128, 1024)
+LIGER_TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=5e-4), torch.bfloat16: dict(atol=5e-2, rtol=5e-1)}  # its own
+
+
+def _liger_shaped_batch(seed, dtype, bias):
+    """Liger's test inputs: a random head, a reference head 0.01 away, random padding anywhere, advantages in
+    [0, 1), old and reference log-probs 0.01 from the policy's."""
+    b, t, h, v = LIGER_SHAPE
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(v, h, generator=g).to(dtype)
+    bias_ = torch.randn(v, generator=g).to(dtype) if bias else None
+    x = torch.randn(b, t, h, generator=g).to(dtype)
+    ids = torch.randint(0, v, (b, t), generator=g)
+    with torch.no_grad():
+        logits = x @ w.T + (bias_ if bias else 0)
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None])[..., 0]  # [B, T]
+    mask = torch.ones(b, t)
+    mask.view(-1)[torch.randperm(b * t, generator=g)[:b * t // 3]] = 0
+    return dict(
+        x=x, w=w, b=bias_, ids=ids, mask=mask, adv=torch.rand(b, generator=g).to(dtype),
+        old=logp + 0.01 * torch.randn(b, t, generator=g), ref=logp + 0.01 * torch.randn(b, t, generator=g),
+        ref_input=x + (0.01 * torch.randn(b, t, h, generator=g)).to(dtype),
+        ref_weight=w + (0.01 * torch.randn(v, h, generator=g)).to(dtype),
+        ref_bias=bias_ + (0.01 * torch.randn(v, generator=g)).to(dtype) if bias else None)
+
+
+LIGER_SHAPE_GRID = [
+    dict(loss_type="luspo", level=lv, dtype=dt, bias=bi, delta=de, ref=rf)
+    for lv, dt, bi, de, rf in itertools.product(["token", "sequence"], [torch.float32, torch.bfloat16], [False, True],
+                                                [None, 1.5], ["logps", "input"])
+] + [
+    dict(loss_type=lt, level=lv, dtype=dt, bias=True, delta=None, ref="input")
+    for lt, lv, dt in itertools.product(["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"], ["token", "sequence"],
+                                        [torch.float32, torch.bfloat16])
+    if not (lv == "sequence" and lt in ("cispo", "sapo"))
+]
+
+
+@pytest.mark.parametrize("case", LIGER_SHAPE_GRID, ids=_case_id)
+def test_matches_liger_itself_at_its_test_shape_with_a_reference_head(case):
+    # the reference from ref_input / ref_weight scores every position luspo weighs, padding included. Oracle: Liger's
+    # module in float32 on float32 inputs; on bf16 inputs, Liger's module in float64 on the same values, since Liger
+    # in bf16 rounds the logits to bf16 (its gradients then stray up to 22% in norm from its own float64 result,
+    # fastgrpo's float32 logits 0.2%); tolerances are Liger's own per dtype.
+    chunked = pytest.importorskip("liger_kernel.chunked_loss")
+    d = _liger_shaped_batch(len(_case_id(case)), case["dtype"], case["bias"])
+    opts = dict(beta=0.1, loss_type=case["loss_type"], importance_sampling_level=case["level"], delta=case["delta"],
+                max_completion_length=LIGER_SHAPE[1], epsilon_high=0.2 if case["loss_type"] != "cispo" else 5.0)
+    out = []
+    for module, dtype in ((chunked.LigerFusedLinearGRPOLoss(**opts, compiled=False),
+                           torch.float32 if case["dtype"] == torch.float32 else torch.float64),
+                          (FusedLinearGRPOLoss(**opts, backend="torch"), case["dtype"])):
+        on = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+        logps = lambda t: t.to(torch.float64 if dtype == torch.float64 else torch.float32)  # noqa: E731
+        ref = dict(ref_per_token_logps=logps(d["ref"])) if case["ref"] == "logps" else dict(
+            ref_input=on(d["ref_input"]), ref_weight=on(d["ref_weight"]), ref_bias=on(d["ref_bias"]))
+        leaves = [on(t).requires_grad_() for t in (d["x"], d["w"], d["b"]) if t is not None]
+        loss, metrics = module(leaves[0], leaves[1], d["ids"], on(d["mask"]), on(d["adv"]),
+                               bias=leaves[2] if case["bias"] else None, old_per_token_logps=logps(d["old"]), **ref)
+        out.append((loss, metrics, torch.autograd.grad(loss, leaves)))
+    (la, ma, ga), (lb, mb, gb) = out
+    tol = LIGER_TOLERANCE[case["dtype"]]
+    torch.testing.assert_close(lb.double(), la.double(), **tol)
+    for got, want in zip(mb, ma, strict=True):
+        torch.testing.assert_close(got.double(), want.double(), **tol)
+    for got, want in zip(gb, ga, strict=True):
+        torch.testing.assert_close(got.double(), want.double(), **tol)
