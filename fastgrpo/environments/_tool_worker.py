@@ -1,15 +1,12 @@
-"""A tool worker process: the reward sandbox's worker protocol (:mod:`fastgrpo.rewards._worker`), running tools.
+"""A tool worker process: the worker sandbox's protocol (:mod:`fastgrpo.runtime.worker`), running tools.
 
     python -m fastgrpo.environments._tool_worker FD PARENT_PID
 
-Started by :class:`fastgrpo.environments.tools.ToolPool` (a :class:`fastgrpo.rewards.sandbox.WorkerPool`), which
-gives every call a deadline and kills and replaces a worker past it. Messages:
-
-- ``("load", specs)`` -> ``("importing",)``, then ``("loaded", [False, ...])`` or ``("load_error", message)``:
-  import each tool (``path/to/file.py:function`` or ``module:qualname``) once;
-- ``("call", [(i, arguments, max_chars)], timeout_s, call_id)`` -> ``("done", [result], call_id, pid)``:
-  ``("ok", text, [])`` with the tool's output as text (its printed output, then its return value, cut to
-  ``max_chars``), or ``("fail", kind, message, traceback)``. A process the tool forked ends instead of answering.
+Started by :class:`fastgrpo.environments.tools.ToolPool` (a :class:`fastgrpo.runtime.sandbox.WorkerPool`), which
+gives every call a deadline and kills and replaces a worker past it. Tools (``path/to/file.py:function`` or
+``module:qualname``) are imported once; all are reported as not async (an async tool is awaited here, one call per
+job). A call is ``(i, arguments, max_chars)``; its result is ``(text, [])``, the tool's output as text (its printed
+output, then its return value, cut to ``max_chars``), or a CallFailure.
 
 Nothing a tool does ends this process's loop: exceptions (SystemExit included) are failures, printed output is
 captured (at most ``max_chars`` of it is kept, so a tool that prints 10 MB costs the time to print, not the memory),
@@ -22,12 +19,14 @@ import asyncio
 import contextlib
 import inspect
 import json
-import os
 import sys
 import traceback
 from typing import Any
 
 from fastgrpo.environments.tools import cut
+from fastgrpo.runtime.plugins import resolve
+from fastgrpo.runtime.sandbox import CallFailure
+from fastgrpo.runtime.worker import Load, Run, serve
 
 
 class _Bounded:
@@ -73,8 +72,6 @@ def run_tool(fn: Any, arguments: dict[str, Any], max_chars: int, loop: asyncio.A
              catch: tuple[type[BaseException], ...] = (BaseException,)) -> str:
     """Call one tool with its printed output captured; the text of the tool message (at most ``max_chars``).
     Raises CallFailure for an exception or a return value that is not text."""
-    from fastgrpo.rewards.calls import CallFailure
-
     printed = _Bounded(max_chars)
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
@@ -97,41 +94,26 @@ async def _await(awaitable: Any) -> Any:
     return await awaitable
 
 
-def main(argv: list[str]) -> None:
-    from fastgrpo.rewards._worker import answer, start_worker
-
-    conn = start_worker(argv)
-    me = os.getpid()
-    # Imported after the watchdog starts, as in the reward worker.
-    from fastgrpo.rewards.calls import CallFailure
-    from fastgrpo.rewards.loader import resolve_spec
-
+def _handlers() -> tuple[Load, Run]:
     loop = asyncio.new_event_loop()
     tools: list[Any] = []
-    while True:
+
+    def load(specs: list[str]) -> list[bool]:
+        tools[:] = [resolve(s, what=f"tool {s!r}", catch=(BaseException,)) for s in specs]
+        return [False] * len(tools)
+
+    def run(calls: list, timeout_s: float) -> list:
+        (i, arguments, max_chars), = calls
         try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg[0] == "load":
-            conn.send(("importing",))
-            try:
-                tools = [resolve_spec(s, catch=(BaseException,)) for s in msg[1]]
-            except ValueError as e:
-                conn.send(("load_error", str(e)))
-                continue
-            conn.send(("loaded", [False] * len(tools)))  # async tools are awaited here, one call per job
-        elif msg[0] == "call":
-            (i, arguments, max_chars), = msg[1]
-            call_id = msg[3]
-            try:
-                out = [("ok", run_tool(tools[i], arguments, max_chars, loop), [])]
-            except CallFailure as f:
-                out = [("fail", f.kind, f.message, f.tb)]
-            try:
-                answer(conn, out, call_id, me)
-            except (BrokenPipeError, OSError):
-                return
+            return [(run_tool(tools[i], arguments, max_chars, loop), [])]
+        except CallFailure as f:
+            return [f]
+
+    return load, run
+
+
+def main(argv: list[str]) -> None:
+    serve(argv, _handlers)
 
 
 if __name__ == "__main__":

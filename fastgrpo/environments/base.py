@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import abc
 import difflib
-import hashlib
-import importlib.util
 import inspect
 import math
-import sys
-from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from fastgrpo.runtime import plugins
 from fastgrpo.runtime.errors import PluginError, RunError
 
 __all__ = ["ENV_REWARDS_COLUMN", "ENVIRONMENTS", "Environment", "EnvironmentFactory", "StepResult", "build_environment",
@@ -211,33 +208,21 @@ def register_environment(name: str) -> Callable:
 
 def _load_class(spec: str) -> type[Environment]:
     """``path/to/file.py:ClassName`` -> the class (the file is imported in this process, once per path)."""
-    path_str, _, attr = spec.rpartition(":")
-    path = Path(path_str).expanduser().resolve()
-    if not path.is_file():
-        raise ValueError(f"rollout.env.name={spec!r}: file {str(path)!r} does not exist")
-    mod_name = "fastgrpo_env_plugin_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    module = sys.modules.get(mod_name)
-    if module is None:
-        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[mod_name] = module
-        try:
-            loader_spec.loader.exec_module(module)
-        except (Exception, SystemExit) as e:
-            del sys.modules[mod_name]
-            raise ValueError(f"rollout.env.name={spec!r}: importing {str(path)!r} failed: {e!r}") from None
+    what = f"rollout.env.name={spec!r}"
+    path, attr = plugins.plugin_path(spec, what=what, example="path/to/file.py:ClassName")
+    module = plugins.import_plugin_file(path, what=what)
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         found = sorted(n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Environment)
                        and v is not Environment)
-        raise ValueError(f"rollout.env.name={spec!r}: {attr!r} is not a fastgrpo.environments.Environment subclass "
+        raise ValueError(f"{what}: {attr!r} is not a fastgrpo.environments.Environment subclass "
                          f"in {str(path)!r}; its environments: {found}")
     return cls
 
 
 def build_environment(cfg: Any) -> EnvironmentFactory:
     """The factory for ``rollout.env`` (an EnvConfig): a registered name or a plugin class."""
-    if ":" in cfg.name and cfg.name.rpartition(":")[0].endswith(".py"):
+    if plugins.is_plugin_spec(cfg.name):
         return EnvironmentFactory(_load_class(cfg.name), cfg.kwargs)
     if cfg.name not in ENVIRONMENTS:
         close = difflib.get_close_matches(cfg.name, list(ENVIRONMENTS), n=1)

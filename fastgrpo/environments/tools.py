@@ -4,7 +4,7 @@ A tool is a plain function with type hints and a Google-style docstring (TRL's c
 from ``transformers.utils.get_json_schema`` and is passed to the chat template's ``tools=``. After each model turn
 the tool calls in its text are parsed (``rollout.env.tool_call_format``; Qwen2.5/Qwen3/Hermes write
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) and run in worker processes
-(:class:`ToolPool`, the reward sandbox's pool with another worker module) with ``rollout.env.timeout_s`` each. A turn
+(:class:`ToolPool`, the worker sandbox of :mod:`fastgrpo.runtime.sandbox`) with ``rollout.env.timeout_s`` each. A turn
 without a tool call is the model's answer: the trajectory ends.
 
 Nothing a tool does stops the run. A call that raises, hangs (its worker is killed and replaced), crashes its
@@ -24,9 +24,8 @@ from fractions import Fraction
 from typing import Any, Callable
 
 from fastgrpo.environments.base import ENVIRONMENTS, Environment, EnvironmentFactory
-from fastgrpo.rewards.calls import CallFailure
-from fastgrpo.rewards.loader import resolve_spec, worker_spec
-from fastgrpo.rewards.sandbox import WorkerPool
+from fastgrpo.runtime import plugins
+from fastgrpo.runtime.sandbox import CallFailure, WorkerPool
 
 __all__ = ["TOOLS", "TOOL_CALL_FORMATS", "ToolCall", "ToolEnvironment", "ToolPool", "ToolsFactory", "calculator",
            "parse_qwen_tool_calls", "register_tool", "tool_schemas"]
@@ -173,8 +172,8 @@ IMPORT_TIMEOUT_S = 60.0
 
 
 class ToolPool(WorkerPool):
-    """The reward sandbox's worker pool running :mod:`fastgrpo.environments._tool_worker`: each call has a
-    deadline, a worker past it is killed and replaced, a worker that dies is replaced."""
+    """The worker sandbox running :mod:`fastgrpo.environments._tool_worker`: each call has a deadline, a worker past
+    it is killed and replaced, a worker that dies is replaced."""
 
     worker_module = "fastgrpo.environments._tool_worker"
     what, noun = "rollout.env.tools", "tool"
@@ -185,13 +184,14 @@ class ToolsFactory(EnvironmentFactory):
     """``rollout.env.name: tools``: the worker pool and schemas that every trajectory's ToolEnvironment shares."""
 
     def __init__(self, cfg: Any) -> None:
-        specs = [name if ":" in name else worker_spec(name, _lookup(name)) for name in cfg.tools]
+        specs = [name if ":" in name else _worker_spec(name) for name in cfg.tools]
         self.timeout_s, self.max_output_chars = cfg.timeout_s, cfg.max_output_chars
         self.parse = TOOL_CALL_FORMATS[cfg.tool_call_format]
         self.pool = ToolPool(specs, size=cfg.num_workers, timeout_s=cfg.timeout_s)
         # a tool file that fails, exits or hangs at import is an error now (an import may take longer than a call)
         self.pool.wait_ready(max(cfg.timeout_s, IMPORT_TIMEOUT_S))
-        funcs = [resolve_spec(s) for s in specs]  # in this process too, for the schemas (imported safely above)
+        # in this process too, for the schemas (imported safely above)
+        funcs = [plugins.resolve(s, what=f"rollout.env.tools: tool {s!r}") for s in specs]
         self.names = [getattr(f, "__name__", s.rpartition(":")[2]) for f, s in zip(funcs, specs)]
         for k, name in enumerate(self.names):  # the model calls a tool by name: two of one name, one never runs
             if name in self.names[:k]:
@@ -243,11 +243,16 @@ class ToolsFactory(EnvironmentFactory):
         self.pool.close()
 
 
-def _lookup(name: str) -> Callable[..., Any]:
+def _worker_spec(name: str) -> str:
+    """How a tool worker imports the registered tool ``name`` (``module:qualname``)."""
     if name not in TOOLS:
         raise ValueError(f"rollout.env.tools: unknown tool {name!r}; built-in tools are {sorted(TOOLS)}; for your "
                          "own write 'path/to/file.py:function'")
-    return TOOLS[name]
+    spec = plugins.importable_name(TOOLS[name])
+    if spec is None:
+        raise ValueError(f"rollout.env.tools: tool {name!r} ({TOOLS[name]!r}) cannot be imported by a tool worker "
+                         "process; register a module-level function, or name it as 'path/to/file.py:function'")
+    return spec
 
 
 class ToolEnvironment(Environment):

@@ -15,8 +15,8 @@ else is a *failure* of a named kind, which the caller scores ``rewards.on_error_
 ``no_column``   the completion's dataset row has no value (None) in a column the function requires
 ==============  =================================================================================
 
-The first four kinds are found here; ``timeout`` and ``crash`` by :mod:`fastgrpo.rewards.sandbox`, the last two by
-:mod:`fastgrpo.rewards.scoring`.
+The first four kinds are found here; ``timeout`` and ``crash`` by the worker sandbox (:mod:`fastgrpo.runtime.sandbox`),
+the last two by :mod:`fastgrpo.rewards.scoring`.
 
 Every call gets its own arguments (:func:`own_copy`): a function that changes its ``completions`` or a column in
 place changes neither what the next function scores nor the trainer's data.
@@ -31,6 +31,8 @@ import math
 import numbers
 import traceback
 from typing import Any, Callable
+
+from fastgrpo.runtime.sandbox import CallFailure  # a whole call failed: its kind (above), message, traceback
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -59,14 +61,6 @@ def _fresh(value: Any) -> Any:
         items = [_fresh(v) for v in value]
         return items if kind is list else tuple(items)
     return copy.deepcopy(value)
-
-
-class CallFailure(Exception):
-    """A whole call failed: ``kind`` (see the module docstring), a one-line ``message``, the traceback text."""
-
-    def __init__(self, kind: str, message: str, tb: str = "") -> None:
-        super().__init__(message)
-        self.kind, self.message, self.tb = kind, message, tb
 
 
 Bad = tuple[int, str, str]

@@ -12,13 +12,11 @@ This module imports no torch: reward workers import it.
 from __future__ import annotations
 
 import difflib
-import hashlib
-import importlib
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from fastgrpo.runtime import plugins
+from fastgrpo.runtime.plugins import is_plugin_spec
 from fastgrpo.rewards.countdown import countdown_reward
 from fastgrpo.rewards.format import format_reward
 from fastgrpo.rewards.math_answer import gsm8k_reward, math_verify_reward
@@ -53,46 +51,14 @@ completion, tests/test_rewards.py and tests/test_math_reward.py), so a worker wo
 reward function (plugin files, ``math`` with math-verify, anything registered at run time) runs in the sandbox."""
 
 
-def is_plugin_spec(name: str) -> bool:
-    """``path/to/file.py:function`` (as opposed to a registry name)."""
-    return ":" in name and name.rpartition(":")[0].endswith(".py")
-
-
 def check_plugin_spec(spec: str) -> tuple[Path, str]:
-    """(absolute file, attribute name) of a plugin spec, checked without importing it. rpartition, so that a
-    Windows drive letter's colon survives."""
-    path_str, _, attr = spec.rpartition(":")
-    path = Path(path_str).expanduser().resolve()
-    if not attr:
-        raise ValueError(f"reward {spec!r}: write 'path/to/file.py:function_name'")
-    if not path.is_file():
-        raise ValueError(f"reward {spec!r}: plugin file {str(path)!r} does not exist")
-    return path, attr
+    """(absolute file, function name) of a reward plugin spec, checked without importing it."""
+    return plugins.plugin_path(spec, what=f"reward {spec!r}")
 
 
-def _load_plugin(spec: str, catch: tuple[type[BaseException], ...] = (Exception, SystemExit)
-                 ) -> tuple[str, RewardFunc]:
-    """``path/to/file.py:name`` -> (name, callable)."""
-    path, attr = check_plugin_spec(spec)
-    # One module per file, keyed by its absolute path, so loading two functions from a file runs it once
-    # and two plugin files that are both called rewards.py do not clash.
-    mod_name = "fastgrpo_reward_plugin_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    module = sys.modules.get(mod_name)
-    if module is None:
-        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
-        if loader_spec is None or loader_spec.loader is None:
-            raise ValueError(f"reward {spec!r}: cannot import {str(path)!r} as a Python module")
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[mod_name] = module
-        try:
-            loader_spec.loader.exec_module(module)
-        except catch as e:
-            del sys.modules[mod_name]
-            raise ValueError(f"reward {spec!r}: importing {str(path)!r} failed: {e!r}") from None
-    if not hasattr(module, attr):
-        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise ValueError(f"reward {spec!r}: {str(path)!r} defines no {attr!r}; its callables: {found}")
-    return attr, _instantiate(spec, getattr(module, attr), catch)
+def load_plugin(spec: str, catch: tuple[type[BaseException], ...] = plugins.PLUGIN_FAILURES) -> RewardFunc:
+    """The reward function ``path/to/file.py:name`` names, imported in this process."""
+    return _instantiate(spec, plugins.load_plugin(spec, what=f"reward {spec!r}", catch=catch), catch)
 
 
 def _instantiate(spec: str, fn: Any, catch: tuple[type[BaseException], ...]) -> RewardFunc:
@@ -130,11 +96,11 @@ def display_name(name: str) -> str:
 
 def load_reward_funcs(names: Sequence[str]) -> list[tuple[str, RewardFunc]]:
     """Resolve RewardConfig.funcs in this process: registry names or ``path/to/file.py:function`` plugin specs
-    (imported here)."""
+    (imported here, named by their function's name)."""
     funcs = []
     for name in names:
         fn = lookup(name)
-        funcs.append((name, fn) if fn is not None else _load_plugin(name))
+        funcs.append((name, fn) if fn is not None else (display_name(name), load_plugin(name)))
     return funcs
 
 
@@ -146,22 +112,13 @@ def worker_spec(name: str, fn: RewardFunc) -> str:
     """
     if is_plugin_spec(name):
         return name
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if not module or module == "__main__" or "<" in qualname:
+    spec = plugins.importable_name(fn)
+    if spec is None:
         raise ValueError(f"reward {name!r} ({fn!r}) cannot be imported by a reward worker process; define it in a "
                          "module or a plugin file ('path/to/file.py:function'), or set rewards.sandbox=false")
-    return f"{module}:{qualname}"
+    return spec
 
 
-def resolve_spec(spec: str, *, catch: tuple[type[BaseException], ...] = (Exception, SystemExit)) -> RewardFunc:
+def resolve_spec(spec: str, *, catch: tuple[type[BaseException], ...] = plugins.PLUGIN_FAILURES) -> RewardFunc:
     """The callable a :func:`worker_spec` names (in a worker process)."""
-    if is_plugin_spec(spec):
-        return _load_plugin(spec, catch)[1]
-    module_name, _, qualname = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except catch as e:
-        raise ValueError(f"reward {spec!r}: cannot import it in a reward worker: {e!r}") from None
-    return _instantiate(spec, obj, catch)
+    return _instantiate(spec, plugins.resolve(spec, what=f"reward {spec!r}", catch=catch), catch)

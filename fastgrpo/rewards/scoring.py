@@ -39,7 +39,7 @@ from fastgrpo.runtime.errors import RewardError
 from fastgrpo.rewards import loader
 from fastgrpo.rewards.calls import FLOAT32_MAX, CallFailure, call, gather, is_async, own_copy
 from fastgrpo.rewards.columns import configure_rewards, required_columns
-from fastgrpo.rewards.sandbox import Interrupted, WorkerPool, import_in_worker
+from fastgrpo.rewards.sandbox import Interrupted, RewardPool, import_in_worker
 
 log = logging.getLogger("fastgrpo.rewards")
 
@@ -106,13 +106,13 @@ class RewardRunner:
             else:
                 self._remote[f] = len(specs)
                 specs.append(loader.worker_spec(name, fn))
-        self.pool = WorkerPool(specs, size=min(num_workers, len(specs)), timeout_s=timeout_s) if specs else None
+        self.pool = RewardPool(specs, size=min(num_workers, len(specs)), timeout_s=timeout_s) if specs else None
         self._loop: asyncio.AbstractEventLoop | None = None
         if local_plugins:
             try:
                 import_in_worker(list(local_plugins.values()), timeout_s=timeout_s)
                 for f, name in local_plugins.items():
-                    self._local[f] = loader._load_plugin(name)[1]
+                    self._local[f] = loader.load_plugin(name)
             except BaseException:
                 self.close()
                 raise

@@ -1,4 +1,4 @@
-"""Hostile round 3 (issue 37): tools, environments, config changes, run kinds, caches and full disks. Each case is
+"""Misuse of tools, environments, config changes, run kinds, caches and full disks. Each case is
 a one-line error before work starts, a counted failure of one call or trajectory, or a resumable stop; never a
 silent wrong result, a traceback or a damaged run folder. One test per item, through the command line where a
 user meets it (``fastgrpo.train.main`` / ``fastgrpo.sft.main`` in this process, as tests/test_failures.py does)."""
@@ -159,11 +159,11 @@ def forks(completions, k, **kw):
 
 
 def test_a_reward_function_that_forks_never_delivers_its_scores_to_other_calls(tmp_path):
-    from fastgrpo.rewards.sandbox import WorkerPool
+    from fastgrpo.rewards.sandbox import RewardPool
 
     plugin = tmp_path / "forking_reward.py"
     plugin.write_text(FORKING_REWARD)
-    pool = WorkerPool([f"{plugin}:forks"], size=1, timeout_s=5)
+    pool = RewardPool([f"{plugin}:forks"], size=1, timeout_s=5)
     try:
         results = pool.run([[(0, {"completions": ["a"], "k": [k]}, 1)] for k in range(4)])
     finally:
