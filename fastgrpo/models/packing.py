@@ -10,7 +10,8 @@ Shape legend:
   S  sequences in the batch (this rank's)           F  completion tokens of all S sequences (flat layout)
   T  tokens in one packed row                        N  completion tokens in one micro-batch
   H  hidden size                                     V  vocabulary size
-  K  sequences in one micro-batch
+  K  sequences in one micro-batch                   C  entries of cu_seqlens (segments + 1)
+  Tk keys the segments of a shared-prefix row attend, segment by segment (the shared prefix once per sequence)
 
 Static shapes (``buckets``): a compiled block (``dynamic=False``) or a captured CUDA graph needs the same tensor
 shapes at every call, so ``pack`` can pad each row up to the smallest of a few token *buckets* that holds it. The
@@ -23,13 +24,35 @@ varlen kernels skip), and ``max_seqlen`` is the caller's fixed cap (prompt + com
 Flat layout: sequence i's completion tokens occupy ``offsets[i] : offsets[i] + L_i`` where ``offsets`` is the
 exclusive cumulative sum of the completion lengths L. Per-token tensors of the step (advantage, token weight,
 old/ref log-prob) live in this layout and a micro-batch reads them with ``flat_index``.
+
+Shared prefixes (``groups``, :class:`PrefixGroups`): in GRPO every prompt is sampled G times, so a row of unshared
+sequences forwards each prompt G times. Sequences of one group (by default: the same prompt tokens) that land in one
+row hold their common prompt prefix of S tokens once, as a segment of its own, followed by each sequence's own
+segment (the rest of its prompt, then its completion)::
+
+    row       [ p0 .. pS-1 | a_S .. a_end | b_S .. b_end | ... ]      (one group: prefix, then sequences a, b, ...)
+    positions [ 0  ..  S-1 | S   ..       | S   ..       | ... ]      (an own segment continues from the prefix)
+    sees      prefix: causal within it; own segment: the whole prefix, then causal within itself
+
+so every token attends to exactly the keys it attends to in its unshared sequence, at the same positions: outputs and
+gradients are those of the unshared rows (the prefix's gradient is the sum over the sequences that read it). S is at
+most the shortest prompt of the group, so an own segment is never empty, and every completion token but the first
+is predicted from its own segment; the first is predicted from the sequence's last prompt token, which for S = P is
+the prefix's last position: ``hidden_index`` then holds that position once per sequence (the head reads the same
+hidden state for each, and its gradients add up in the backward of the gather). Attention backends read the layout
+from ``kv_index`` (the row's keys each segment attends, segment by segment: a shared sequence's are its prefix's,
+then its own; ``cu_seqlens_k`` their boundaries), or for a dense mask from ``context_ids`` (the prefix segment each
+token sees in full). A group shares only when it pays (:meth:`PrefixGroups.shares`); the planner
+(:func:`plan_shared_microbatches`) keeps a group in one row, and splits one that exceeds the budget into parts that
+each repeat the prefix.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+import os
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +98,87 @@ def plan_microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]
             bins.append([i])
             room.append(max_tokens - n)  # negative for an oversize sequence: nothing else fits there
     return [sorted(b) for b in bins]
+
+
+MIN_SAVED_TOKENS = 16
+"""A group's sequences in one row hold their prefix once only where that saves at least this many tokens: below it
+the prefix's extra segment and the key gather of the attention cost about what the saved tokens do."""
+
+
+@dataclass(frozen=True)
+class PrefixGroups:
+    """Which sequences of a batch may hold a common prompt prefix once per packed row (module doc, "Shared
+    prefixes"). Built by :func:`prefix_groups`."""
+
+    group_of: list[int]
+    """Per sequence: its group, or -1 (it shares with no other sequence)."""
+    prefix_lengths: list[int]
+    """Per group: S >= 1, the tokens its sequences' prompts have in common from the start."""
+    min_saved_tokens: int = MIN_SAVED_TOKENS
+    """Sequences of a group in one row share its prefix when that saves at least this many tokens."""
+
+    def shares(self, group: int, members: int) -> bool:
+        """Whether ``members`` sequences of ``group`` in one row hold its prefix once: at least two of them, saving
+        ``(members - 1) * S >= min_saved_tokens`` tokens."""
+        return group >= 0 and members >= 2 and (members - 1) * self.prefix_lengths[group] >= self.min_saved_tokens
+
+
+def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
+    """How many tokens ``seqs`` have in common from the start (at most the shortest one's length; 0 for none)."""
+    return len(os.path.commonprefix([list(q) for q in seqs])) if seqs else 0
+
+
+def prefix_groups(prompt_ids: Sequence[Sequence[int]], *, keys: Sequence[Hashable] | None = None,
+                  min_saved_tokens: int = MIN_SAVED_TOKENS) -> PrefixGroups:
+    """The sharing groups of a batch: sequences with the same key (default: the same prompt tokens, as GRPO's G
+    samples of a prompt) form a group whose prefix is their prompts' common prefix. A sequence alone with its key,
+    or a group whose prompts differ from the first token, shares with none (-1)."""
+    if min_saved_tokens < 1:
+        raise ValueError(f"min_saved_tokens must be >= 1, got {min_saved_tokens}")
+    keys = [tuple(p) for p in prompt_ids] if keys is None else list(keys)
+    if len(keys) != len(prompt_ids):
+        raise ValueError(f"{len(keys)} group keys for {len(prompt_ids)} prompts")
+    members: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(keys):
+        members.setdefault(key, []).append(i)
+    group_of, lengths = [-1] * len(keys), []
+    for idx in members.values():
+        shared = common_prefix_length([prompt_ids[i] for i in idx]) if len(idx) > 1 else 0
+        if shared >= 1:
+            for i in idx:
+                group_of[i] = len(lengths)
+            lengths.append(shared)
+    return PrefixGroups(group_of=group_of, prefix_lengths=lengths, min_saved_tokens=min_saved_tokens)
+
+
+def plan_shared_microbatches(lengths: Sequence[int], groups: PrefixGroups, max_tokens: int) -> list[list[int]]:
+    """:func:`plan_microbatches` with shared prefixes: the sequences of a group that shares (:meth:`PrefixGroups.
+    shares`) are one item of ``S + sum(L_i - S)`` tokens, placed whole in one bin; a group over ``max_tokens`` is
+    first split (first-fit-decreasing on its sequences' own tokens, under the budget less S) into parts that each
+    repeat the prefix, and a part that does not pay is its sequences alone. ``lengths[i]``: sequence i's prompt +
+    completion. Bins list sequence indices in ascending order, as :func:`plan_microbatches`'s."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    _check_lengths(lengths)
+    if len(groups.group_of) != len(lengths):
+        raise ValueError(f"groups cover {len(groups.group_of)} sequences, the batch has {len(lengths)}")
+    units: list[list[int]] = []
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups.group_of):
+        if g < 0:
+            units.append([i])
+        else:
+            members.setdefault(g, []).append(i)
+    for g, idx in members.items():
+        prefix = groups.prefix_lengths[g]
+        own = [lengths[i] - prefix for i in idx]  # >= 1: S is at most the prompt, the completion has a token
+        parts = [idx] if prefix + sum(own) <= max_tokens else [
+            [idx[j] for j in part] for part in plan_microbatches(own, max(1, max_tokens - prefix))]
+        for part in parts:
+            units.extend([part] if groups.shares(g, len(part)) else ([i] for i in part))
+    costs = [lengths[u[0]] if len(u) == 1 else sum(lengths[i] for i in u) - (len(u) - 1) * groups.prefix_lengths[
+        groups.group_of[u[0]]] for u in units]
+    return [sorted(i for u in b for i in units[u]) for b in plan_microbatches(costs, max_tokens)]
 
 
 def partition_balanced(lengths: Sequence[int], k: int) -> list[list[int]]:
@@ -181,9 +285,9 @@ class MicroBatch:
     """One packed row. All tensors live on the compute device; the integer fields are host-side metadata."""
 
     input_ids: torch.Tensor
-    """[1, T] int64: prompt + completion of each sequence, back to back."""
+    """[1, T] int64: prompt + completion of each sequence, back to back (a shared prefix once, module doc)."""
     position_ids: torch.Tensor
-    """[1, T] int64: restarts at 0 at every sequence start."""
+    """[1, T] int64: restarts at 0 at every sequence start (a shared sequence's own segment continues its prefix)."""
     hidden_index: torch.Tensor
     """[N] int64: positions in T whose hidden state predicts a completion token (per-sequence shift)."""
     targets: torch.Tensor
@@ -191,9 +295,9 @@ class MicroBatch:
     flat_index: torch.Tensor
     """[N] int64: where each target sits in the flat per-token layout of the step."""
     cu_seqlens: torch.Tensor
-    """[K + 1] int32: cumulative sequence lengths in the row (flash-attention varlen format)."""
+    """[C] int32: cumulative segment lengths in the row (flash-attention varlen format)."""
     segment_ids: torch.Tensor
-    """[T] int64: which sequence of the row each token belongs to (built here, so masks need no host copy)."""
+    """[T] int64: which segment of the row each token belongs to (built here, so masks need no host copy)."""
     seq_indices: list[int]
     """The K sequences (indices into the step's batch) in this row, in row order."""
     seq_lengths: list[int]
@@ -206,22 +310,75 @@ class MicroBatch:
     """N: completion tokens, the rows of the lm_head input."""
     pad_lengths: list[int] = field(default_factory=list)
     """Lengths of the dummy segments that pad the row to its token bucket (empty: not padded)."""
+    kv_index: torch.Tensor | None = None
+    """[Tk] int64, a row with a shared prefix: the row positions whose keys and values each segment attends, segment
+    by segment (a shared sequence's own segment: its prefix's, then its own); None: each segment attends its own."""
+    cu_seqlens_k: torch.Tensor | None = None
+    """[C] int32 with ``kv_index``: the boundaries of each segment's keys in it."""
+    context_ids: torch.Tensor | None = None
+    """[T] int64 with ``kv_index``: the prefix segment each token sees in full besides its own (-1: none)."""
+    row_segments: list[int] = field(default_factory=list)
+    """With ``kv_index``: the lengths of the row's real segments in row order (each shared prefix, then the own
+    segments of its sequences; an unshared sequence is one segment); empty: one segment per sequence."""
+    key_lengths: list[int] = field(default_factory=list)
+    """With ``kv_index``: how many keys each real segment attends (an own segment: its prefix's length more)."""
 
     @property
     def num_real_tokens(self) -> int:
-        """Tokens of the row without its bucket padding (what throughput counts; 1 for a dummy row)."""
+        """Tokens the trunk forwards without the bucket padding (1 for a dummy row)."""
         return self.num_tokens - sum(self.pad_lengths)
 
     @property
+    def num_sequence_tokens(self) -> int:
+        """The sequences' own tokens, prompt + completion each, as an unshared row holds them (0 for a dummy row):
+        what throughput counts; ``num_real_tokens`` is what was forwarded."""
+        return sum(self.seq_lengths)
+
+    @property
     def segment_lengths(self) -> list[int]:
-        """Every segment of the row in order: the real sequences, then the padding's dummy segments (a dummy row
-        is one segment of its tokens); they add up to ``num_tokens``."""
-        return [*(self.seq_lengths or [self.num_tokens - sum(self.pad_lengths)]), *self.pad_lengths]
+        """Every segment of the row in order: the real ones (a sequence, or a shared prefix and its sequences' own
+        segments), then the padding's dummy segments (a dummy row is one segment of its tokens); they add up to
+        ``num_tokens``."""
+        return [*(self.row_segments or self.seq_lengths or [self.num_tokens - sum(self.pad_lengths)]),
+                *self.pad_lengths]
+
+    @property
+    def key_segment_lengths(self) -> list[int]:
+        """The keys each segment of ``segment_lengths`` attends; they add up to ``kv_index``'s length (to
+        ``num_tokens`` without a shared prefix)."""
+        return [*self.key_lengths, *self.pad_lengths] if self.kv_index is not None else self.segment_lengths
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether the row holds a shared prefix (its attention needs ``kv_index`` or ``context_ids``)."""
+        return self.kv_index is not None
 
     @property
     def is_dummy(self) -> bool:
         """A placeholder that keeps FSDP collectives in step across ranks (see ``split_to_count``)."""
         return not self.seq_indices
+
+
+def _row_units(b: Sequence[int], groups: PrefixGroups | None) -> list[tuple[int, list[int]]]:
+    """Bin ``b``'s sequences in row order as ``(S, sequences)``: the sequences of a group that shares in this row
+    (:meth:`PrefixGroups.shares`) in one run after its prefix of S tokens, every other sequence alone with S = 0;
+    in the order of each unit's first sequence in ``b``."""
+    if groups is None:
+        return [(0, [i]) for i in b]
+    members: dict[int, list[int]] = {}
+    for i in b:
+        if groups.group_of[i] >= 0:
+            members.setdefault(groups.group_of[i], []).append(i)
+    units: list[tuple[int, list[int]]] = []
+    placed: set[int] = set()
+    for i in b:
+        g = groups.group_of[i]
+        if not groups.shares(g, len(members.get(g, ()))):
+            units.append((0, [i]))
+        elif g not in placed:
+            placed.add(g)
+            units.append((groups.prefix_lengths[g], members[g]))
+    return units
 
 
 def pack(
@@ -233,6 +390,7 @@ def pack(
     pad_token_id: int = 0,
     buckets: Sequence[int] = (),
     max_seqlen: int | None = None,
+    groups: PrefixGroups | None = None,
 ) -> list[MicroBatch]:
     """Build one ``MicroBatch`` per bin.
 
@@ -243,11 +401,15 @@ def pack(
     (``[1, *]`` rows, ``[*]`` int64 vectors, int32 boundaries), each copied to the device once and split into
     views: three copies per step where one per tensor and bin would be seven per micro-batch.
 
+    With ``groups`` the sequences of a group that shares in a bin hold its prefix once (module doc, "Shared
+    prefixes"; a sequence whose prompt does not start with its group's prefix is a ValueError); the rows without a
+    shared prefix are exactly those built without ``groups``.
+
     With ``buckets`` (module doc, "Static shapes") a row of T tokens is padded to the smallest bucket >= T (a row
-    longer than every bucket, e.g. one oversize sequence, keeps T), ``cu_seqlens`` to ``segment_capacity`` entries,
-    and a padded row's ``max_seqlen`` is ``max_seqlen`` (the prompt + completion cap; a longer sequence is a
-    ValueError, since the varlen kernels would read past it), or without it the row's bucket: either way the same
-    at every step.
+    longer than every bucket, e.g. one oversize sequence, keeps T), ``cu_seqlens`` to ``segment_capacity`` entries
+    (a row with a shared prefix may hold more segments, each of one token at least: it keeps what it uses), and a
+    padded row's ``max_seqlen`` is ``max_seqlen`` (the prompt + completion cap; a longer sequence is a ValueError,
+    since the varlen kernels would read past it), or without it the row's bucket: either way the same at every step.
     """
     buckets = check_buckets(buckets)
     if buckets and max_seqlen is not None:
@@ -259,15 +421,16 @@ def pack(
                              "completion cap the padded micro-batches are compiled for)")
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    if groups is not None and len(groups.group_of) != len(prompt_ids):
+        raise ValueError(f"groups cover {len(groups.group_of)} sequences, the batch has {len(prompt_ids)}")
     for name, seqs in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids)):
         _check_lengths([len(s) for s in seqs], name)
     offsets = completion_offsets([len(c) for c in completion_ids])
     rows: list[list[int]] = []  # per bin: input ids, position ids  -> [1, T] each
-    vectors: list[list[int]] = []  # per bin: hidden index, targets, flat index [N] each, segment ids [T]
-    bounds: list[list[int]] = []  # per bin: cu_seqlens [K + 1]
-    lengths: list[list[int]] = []
-    pads: list[list[int]] = []
-    longest: list[int] = []  # per bin: its max_seqlen
+    # per bin: hidden index, targets, flat index [N] each, segment ids [T]; a shared row: kv index [Tk], context [T]
+    vectors: list[list[int]] = []
+    bounds: list[list[int]] = []  # per bin: cu_seqlens [C]; a shared row: cu_seqlens_k [C]
+    plans: list[dict] = []  # per bin: the host-side fields
     for b in bins:
         ids: list[int] = []
         pos: list[int] = []
@@ -275,35 +438,68 @@ def pack(
         targets: list[int] = []
         flat_index: list[int] = []
         seq_lengths: list[int] = []
-        for i in b:
-            p, c = prompt_ids[i], completion_ids[i]
-            s, P, L = len(ids), len(p), len(c)
-            ids.extend(p)
-            ids.extend(c)
-            pos.extend(range(P + L))
-            hidden_index.extend(range(s + P - 1, s + P + L - 1))
-            targets.extend(c)
-            flat_index.extend(range(offsets[i], offsets[i] + L))
-            seq_lengths.append(P + L)
+        segments: list[int] = []  # per real segment: its tokens (queries) ...
+        keys: list[int] = []  # ... and the keys it attends
+        context: list[int] = []  # per token: the prefix segment it sees in full, -1 none
+        kv: list[int] = []  # per key of each segment: its row position
+        for prefix, seqs in _row_units(b, groups):
+            head = len(ids)  # where the shared prefix starts (prefix > 0)
+            if prefix:
+                shared = list(prompt_ids[seqs[0]][:prefix])
+                ids.extend(shared)
+                pos.extend(range(prefix))
+                context.extend([-1] * prefix)
+                kv.extend(range(head, head + prefix))
+                prefix_segment = len(segments)
+                segments.append(prefix)
+                keys.append(prefix)
+            for i in seqs:
+                p, c = prompt_ids[i], completion_ids[i]
+                s, P, L = len(ids), len(p), len(c)
+                own = P + L - prefix  # >= 1: the prefix is at most the prompt
+                if prefix and (P < prefix or list(p[:prefix]) != shared):
+                    raise ValueError(f"groups: the prompt of sequence {i} does not start with its group's shared "
+                                     f"prefix of {prefix} tokens (group them by prompt: prefix_groups)")
+                ids.extend(p[prefix:])
+                ids.extend(c)
+                pos.extend(range(prefix, P + L))
+                # sequence position q >= prefix sits at row position s + q - prefix, q < prefix at head + q: the
+                # first completion token is predicted from position P - 1, in the prefix when P = prefix
+                hidden_index.append(s + P - 1 - prefix if P > prefix else head + P - 1)
+                hidden_index.extend(range(s + P - prefix, s + P + L - 1 - prefix))
+                targets.extend(c)
+                flat_index.extend(range(offsets[i], offsets[i] + L))
+                seq_lengths.append(P + L)
+                segments.append(own)
+                keys.append(prefix + own)
+                context.extend([prefix_segment if prefix else -1] * own)
+                if prefix:
+                    kv.extend(range(head, head + prefix))
+                kv.extend(range(s, s + own))
+        is_shared = len(segments) > len(seq_lengths)  # a prefix segment
         if not b:  # dummy row: one token so that the trunk (and its collectives) still runs
-            ids, pos = [pad_token_id], [0]
-        segments = seq_lengths or [1]
+            ids, pos, segments = [pad_token_id], [0], [1]
         bucket = bucket_for(len(ids), buckets)
         pad = _tail_segments(bucket - len(ids), max_seqlen or bucket) if bucket is not None else []
         for n in pad:  # the tail: dummy segments that predict nothing (no hidden_index entry: token weight 0)
+            kv.extend(range(len(ids), len(ids) + n))
             ids.extend([pad_token_id] * n)
             pos.extend(range(n))
-        segments = segments + pad
         rows += [ids, pos]
-        vectors += [hidden_index, targets, flat_index, [k for k, n in enumerate(segments) for _ in range(n)]]
-        cu = [0, *itertools.accumulate(segments)]
+        segment_ids = [k for k, n in enumerate(segments + pad) for _ in range(n)]
+        vectors += [hidden_index, targets, flat_index, segment_ids]
+        cu = [0, *itertools.accumulate(segments + pad)]
+        cu_k = [0, *itertools.accumulate(keys + pad)]
         if bucket is not None:  # a fixed count per bucket: zero-length segments at the end
-            assert len(cu) <= segment_capacity(bucket), (cu, bucket)
+            assert is_shared or len(cu) <= segment_capacity(bucket), (cu, bucket)
             cu += [cu[-1]] * (segment_capacity(bucket) - len(cu))
+            cu_k += [cu_k[-1]] * (len(cu) - len(cu_k))
         bounds.append(cu)
-        lengths.append(seq_lengths)
-        pads.append(pad)
-        longest.append(max(seq_lengths, default=1) if bucket is None else max_seqlen or bucket)
+        if is_shared:
+            vectors += [kv, context + [-1] * sum(pad)]
+            bounds.append(cu_k)
+        plans.append(dict(seq_lengths=seq_lengths, pad=pad, shared=is_shared, segments=segments, keys=keys,
+                          max_seqlen=max(seq_lengths, default=1) if bucket is None else max_seqlen or bucket))
 
     def views(parts: list[list[int]], dtype: torch.dtype, row: bool = False) -> tuple[torch.Tensor, ...]:
         flat = torch.tensor([x for part in parts for x in part], dtype=dtype)
@@ -311,18 +507,29 @@ def pack(
         return (flat[None] if row else flat).split([len(part) for part in parts], dim=-1)
 
     row_t, vec_t, cu_t = views(rows, torch.long, row=True), views(vectors, torch.long), views(bounds, torch.int32)
-    return [MicroBatch(
-        input_ids=row_t[2 * j],  # [1, T]
-        position_ids=row_t[2 * j + 1],  # [1, T]
-        hidden_index=vec_t[4 * j],  # [N]
-        targets=vec_t[4 * j + 1],  # [N]
-        flat_index=vec_t[4 * j + 2],  # [N]
-        cu_seqlens=cu_t[j],  # [K + 1]
-        segment_ids=vec_t[4 * j + 3],  # [T]
-        seq_indices=list(b),
-        seq_lengths=lengths[j],
-        max_seqlen=longest[j],
-        num_tokens=len(rows[2 * j]),
-        num_completion_tokens=len(vectors[4 * j + 1]),
-        pad_lengths=pads[j],
-    ) for j, b in enumerate(bins)]
+    out, v, c = [], 0, 0  # v, c: the bin's first entry in vec_t, cu_t (a shared row has more)
+    for j, b in enumerate(bins):
+        plan = plans[j]
+        shared = plan["shared"]
+        out.append(MicroBatch(
+            input_ids=row_t[2 * j],  # [1, T]
+            position_ids=row_t[2 * j + 1],  # [1, T]
+            hidden_index=vec_t[v],  # [N]
+            targets=vec_t[v + 1],  # [N]
+            flat_index=vec_t[v + 2],  # [N]
+            cu_seqlens=cu_t[c],  # [C]
+            segment_ids=vec_t[v + 3],  # [T]
+            seq_indices=[i for _, seqs in _row_units(b, groups) for i in seqs],
+            seq_lengths=plan["seq_lengths"],
+            max_seqlen=plan["max_seqlen"],
+            num_tokens=len(rows[2 * j]),
+            num_completion_tokens=len(vectors[v + 1]),
+            pad_lengths=plan["pad"],
+            kv_index=vec_t[v + 4] if shared else None,  # [Tk]
+            cu_seqlens_k=cu_t[c + 1] if shared else None,  # [C]
+            context_ids=vec_t[v + 5] if shared else None,  # [T]
+            row_segments=plan["segments"] if shared else [],
+            key_lengths=plan["keys"] if shared else [],
+        ))
+        v, c = v + (6 if shared else 4), c + (2 if shared else 1)
+    return out
