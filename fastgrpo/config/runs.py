@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 from collections.abc import Iterator
@@ -12,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from fastgrpo.config.loader import check, check_finite, check_section, fail, registry
+from fastgrpo.config.loader import check, check_finite, check_section, fail, registry, registry_table
 from fastgrpo.config.sections import (CheckpointConfig, DataConfig, EvalConfig, GRPOConfig, LogConfig, ModelConfig,
                                       OptimConfig, ParallelConfig, PPOConfig, RewardConfig, RolloutConfig)
 
@@ -21,12 +20,6 @@ __all__ = ["RESUMABLE_KEYS", "RunConfig", "SFTConfig", "SFTOptions", "TrainConfi
 
 ALGORITHMS_REGISTRY = "fastgrpo.algorithms.registry:ALGORITHMS"
 """Where ``algorithm``'s choices live (read when a config is validated, so config imports no algorithm)."""
-
-
-def registered(source: str, name: str) -> Any:
-    """The entry ``name`` of the registry ``source`` ('module:NAME'), imported now (validation time)."""
-    module, _, attr = source.partition(":")
-    return getattr(importlib.import_module(module), attr)[name]
 
 
 RESUMABLE_KEYS = (
@@ -150,7 +143,7 @@ class TrainConfig(RunConfig):
         check(not (self.model.lora.modules_to_save and self.rollout.engine == "vllm"
                    and self.rollout.vllm.lora_sync == "adapter"), "rollout.vllm.lora_sync",
               "'adapter' sends the LoRA matrices only, not model.lora.modules_to_save: use 'merged'")
-        algorithm = registered(ALGORITHMS_REGISTRY, self.algorithm)
+        algorithm = registry_table(ALGORITHMS_REGISTRY)[self.algorithm]
         check(algorithm.multi_turn or not self.rollout.env.enabled, "rollout.env",
               f"multi-turn rollouts do not train with algorithm {self.algorithm} (use grpo)")
         algorithm.check_config(self)  # the settings the algorithm does not serve, each naming its field

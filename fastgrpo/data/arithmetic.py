@@ -24,6 +24,8 @@ import operator
 import random
 from typing import Any, Callable, Hashable, Iterable
 
+from fastgrpo.data.distinct import distinct_problems, held_out_splits
+
 OPERATORS: dict[str, tuple[Callable[[int, int], int], bool]] = {
     "+": (operator.add, True),
     "-": (operator.sub, False),
@@ -60,29 +62,16 @@ def generate_problems(n: int, *, seed: int | str, ops: list[str], digits: list[i
         raise ValueError(f"arithmetic: unknown operators {unknown} in data.ops; known: {sorted(OPERATORS)}")
     if len(digits) != 2 or not all(1 <= d <= 9 for d in digits):
         raise ValueError(f"arithmetic: data.digits must be two digit counts in 1..9, got {digits}")
-    rng, seen, rows = random.Random(seed), set(exclude), []
-    for _ in range(50 * n + 1000):
-        if len(rows) == n:
-            break
-        row = generate_problem(rng, ops=ops, digits=digits)
-        key = problem_key(row)
-        if key not in seen:
-            seen.add(key)
-            rows.append(row)
-    if len(rows) < n:
-        raise ValueError(f"arithmetic: found only {len(rows)} distinct problems of the {n} asked for with digits "
-                         f"{digits} and ops {ops}; use more digits or operators, or ask for fewer "
-                         "(data.num_train, data.num_eval)")
-    return rows
+    return distinct_problems(
+        n, seed=seed, exclude=exclude, key=problem_key, draw=lambda rng: generate_problem(rng, ops=ops, digits=digits),
+        too_few=lambda found: f"arithmetic: found only {found} distinct problems of the {n} asked for with digits "
+                              f"{digits} and ops {ops}; use more digits or operators, or ask for fewer "
+                              "(data.num_train, data.num_eval)")
 
 
 def arithmetic_splits(*, num_train: int, num_eval: int, seed: int, ops: list[str],
                       digits: list[int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train, eval) problem lists that share no :func:`problem_key`.
-
-    The held-out split is drawn first from its own stream, so it does not change when num_train does.
-    """
-    eval_rows = generate_problems(num_eval, seed=f"arithmetic-eval-{seed}", ops=ops, digits=digits)
-    train_rows = generate_problems(num_train, seed=f"arithmetic-train-{seed}", ops=ops, digits=digits,
-                                   exclude=[problem_key(r) for r in eval_rows])
-    return train_rows, eval_rows
+    """(train, eval) problem lists that share no :func:`problem_key` (see
+    :func:`fastgrpo.data.distinct.held_out_splits`)."""
+    return held_out_splits("arithmetic", num_train=num_train, num_eval=num_eval, seed=seed, key=problem_key,
+                           problems=lambda n, **kw: generate_problems(n, ops=ops, digits=digits, **kw))

@@ -19,6 +19,8 @@ import random
 from fractions import Fraction
 from typing import Any, Hashable, Iterable, Iterator
 
+from fastgrpo.data.distinct import distinct_problems, held_out_splits
+
 MAX_TARGET = 100
 """Generated targets lie in 1..MAX_TARGET (like Countdown-Tasks-3to4's)."""
 _TRIES_PER_DRAW = 8
@@ -67,42 +69,25 @@ def generate_problems(
     Deterministic given ``seed`` and the other arguments. Raises ValueError when the problem space is too
     small to yield ``n`` distinct problems (e.g. max_value=2).
     """
-    rng = random.Random(seed)
-    seen = set(exclude)
-    rows: list[dict[str, Any]] = []
-    budget = 50 * n + 1000
-    for _ in range(budget):
-        if len(rows) == n:
-            break
-        row = generate_problem(
-            rng, min_numbers=min_numbers, max_numbers=max_numbers, max_value=max_value, max_target=max_target
-        )
-        key = problem_key(row)
-        if key not in seen:
-            seen.add(key)
-            rows.append(row)
-    if len(rows) < n:
-        raise ValueError(
-            f"countdown: found only {len(rows)} distinct problems of the {n} asked for; widen data.max_value "
-            "or the data.min_numbers..data.max_numbers range, or ask for fewer"
-        )
-    return rows
+    def draw(rng: random.Random) -> dict[str, Any]:
+        return generate_problem(rng, min_numbers=min_numbers, max_numbers=max_numbers, max_value=max_value,
+                                max_target=max_target)
+
+    return distinct_problems(
+        n, seed=seed, exclude=exclude, key=problem_key, draw=draw,
+        too_few=lambda found: f"countdown: found only {found} distinct problems of the {n} asked for; widen "
+                              "data.max_value or the data.min_numbers..data.max_numbers range, or ask for fewer")
 
 
 def countdown_splits(
     *, num_train: int, num_eval: int, seed: int, min_numbers: int = 3, max_numbers: int = 4, max_value: int = 99,
     max_target: int = MAX_TARGET,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train, eval) problem lists that share no :func:`problem_key`.
-
-    The held-out split is drawn first from its own stream, so it does not change when num_train does.
-    """
+    """(train, eval) problem lists that share no :func:`problem_key` (see
+    :func:`fastgrpo.data.distinct.held_out_splits`)."""
     kw = dict(min_numbers=min_numbers, max_numbers=max_numbers, max_value=max_value, max_target=max_target)
-    eval_rows = generate_problems(num_eval, seed=f"countdown-eval-{seed}", **kw)
-    train_rows = generate_problems(
-        num_train, seed=f"countdown-train-{seed}", exclude=[problem_key(r) for r in eval_rows], **kw
-    )
-    return train_rows, eval_rows
+    return held_out_splits("countdown", num_train=num_train, num_eval=num_eval, seed=seed, key=problem_key,
+                           problems=lambda n, **seeds: generate_problems(n, **seeds, **kw))
 
 
 def solve(nums: Iterable[int], target: int) -> str | None:
