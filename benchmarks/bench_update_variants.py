@@ -2,7 +2,7 @@
 one-GPU default), bf16 compute weights with float32 masters, + compiled blocks (static shapes), + CUDA graphs.
 
 Per work (S sequences of prompt P + completion L tokens) and variant: seconds per update (median of the timed
-updates after warm-up) and of its optimizer step alone, MFU (``fastgrpo.runtime.metrics.update_flops`` / time / the
+updates after warm-up) and of its optimizer step alone, MFU (``fastgrpo.runtime.step_cost.update_flops`` / time / the
 card's bf16 peak), peak memory and what stays allocated between updates, the compile counters (graph breaks, graphs
 compiled) and the CUDA-graph counters of eager blocks (row shapes captured, block calls replayed) and of the head
 loss (row counts captured, head calls replayed) after the run. A
@@ -42,10 +42,11 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from benchmarks.peer_work import SHAPES, build_model_folder  # noqa: E402
 from fastgrpo.algorithms.grpo import GRPOBatch, grpo_update  # noqa: E402
 from fastgrpo.config import GRPOConfig, OptimConfig, ParallelConfig, RolloutConfig  # noqa: E402
-from fastgrpo.distributed.parallelize import transformer_blocks  # noqa: E402
 from fastgrpo.models.attention import choose_attn_implementation, register_with_transformers  # noqa: E402
 from fastgrpo.models.packing import resolve_buckets  # noqa: E402
-from fastgrpo.runtime.metrics import StepMetrics, device_peak_flops, update_flops  # noqa: E402
+from fastgrpo.runtime.metrics import StepMetrics  # noqa: E402
+from fastgrpo.runtime.peaks import device_peak_flops  # noqa: E402
+from fastgrpo.runtime.step_cost import update_flops  # noqa: E402
 from fastgrpo.update.bundle import build_trained  # noqa: E402
 
 WORKS = {  # name: (sequences, prompt tokens, completion tokens)
@@ -165,7 +166,7 @@ def run(folder: Path, work: str, variant: str, fields: dict, *, device: torch.de
     torch._dynamo.reset()
     counters.clear()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    model = None
+    model = runner = None
     try:
         register_with_transformers()
         model = AutoModelForCausalLM.from_pretrained(
@@ -174,13 +175,13 @@ def run(folder: Path, work: str, variant: str, fields: dict, *, device: torch.de
         parallel.validate("parallel")
         trained = build_trained(model, parallel=parallel, optim=OptimConfig(lr=1e-6), device=device, world_size=1,
                                 total_steps=warmup + steps + 1)
-        model = trained.model
+        model, runner = trained.model, trained.runner
         timer = _StepTimer(trained.optimizer, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
         def update(seed: int) -> None:
-            grpo_update(trained.model, _batch(work, seed=seed), grpo=GRPOConfig(max_tokens_per_microbatch=budget),
+            grpo_update(trained.runner, _batch(work, seed=seed), grpo=GRPOConfig(max_tokens_per_microbatch=budget),
                         rollout=RolloutConfig(max_completion_length=c), optimizer=trained.optimizer,
                         scheduler=trained.scheduler, max_grad_norm=1.0, metrics=StepMetrics(), device=device)
 
@@ -209,10 +210,10 @@ def run(folder: Path, work: str, variant: str, fields: dict, *, device: torch.de
         print(f"--- {work} {variant} failed:\n{traceback.format_exc()}", flush=True)
     row.graph_breaks = sum(counters["graph_break"].values())
     row.graphs = counters["stats"]["unique_graphs"]
-    graphs = getattr(transformer_blocks(model), "block_graphs", None) if model is not None else None
+    graphs = runner.block_graphs if runner is not None else None
     if graphs is not None:
         row.captured, row.replays = graphs.captures, graphs.replays
-    heads = getattr(model, "head_graphs", None) if model is not None else None
+    heads = runner.head_graphs if runner is not None else None
     if heads is not None:
         row.head_captured, row.head_replays = heads.captures, heads.replays
     return row

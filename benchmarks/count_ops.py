@@ -153,7 +153,8 @@ def count_fastgrpo(spec: dict, budget: int) -> dict:
     hf_engine.finish_check_every = lambda device: 8
     trainer = Trainer(load_config(path, [], cls=TrainConfig))
     if spec.get("autocast_bf16"):  # one plain CUDA rank's mixed precision (float32 masters, bf16 autocast), on the CPU
-        trainer.model.autocast_dtype = torch.bfloat16
+        trainer.runner.autocast_dtype = torch.bfloat16
+        trainer.engine.autocast_dtype = torch.bfloat16  # the hf engine decodes the policy itself under autocast
     try:
         for _ in range(spec["warmup"]):
             trainer.train_step()
@@ -168,7 +169,7 @@ def count_fastgrpo(spec: dict, budget: int) -> dict:
                     (trainer_module, "record_metrics", _in_phase(counter, "rollout", trainer_module.record_metrics)),
                     (trainer.engine, "generate", _in_phase(counter, "generate", trainer.engine.generate)),
                     (trainer, "policy_update", span.wrap_update(trainer.policy_update)),
-                    (model, "packed_forward", span.wrap_forward(model.packed_forward)),
+                    (trainer.runner, "packed_forward", span.wrap_forward(trainer.runner.packed_forward)),
                     (torch.nn.utils, "clip_grad_norm_", span.wrap_clip(torch.nn.utils.clip_grad_norm_))):
                 stack.enter_context(mock.patch.object(obj, attr, fn))
             stack.enter_context(_common_phases(counter, model.config._attn_implementation))

@@ -133,7 +133,7 @@ def instrument(sampler: PhaseSampler) -> None:
     def _init_model(self, *a, **k):
         init_model(self, *a, **k)
         self.optimizer.step = sampler.wrap(self.optimizer.step, "optimizer step")
-        self.model.packed_forward = sampler.wrap(self.model.packed_forward, "trunk forward")
+        self.runner.packed_forward = sampler.wrap(self.runner.packed_forward, "trunk forward")
     loop.TrainingLoop._init_model = _init_model
     T.policy_update = sampler.wrap(T.policy_update, "update (other)")
 

@@ -187,7 +187,7 @@ class FastGRPOSide:
                            dtype=torch.float32)
         trained = build_trained(model, parallel=cfg.parallel, optim=OptimConfig(lr=lr, betas=[0.9, 0.99],
                                 weight_decay=0.0), device=device, world_size=1, total_steps=1)  # as the trainer
-        self.model, self.optimizer = trained.model, trained.optimizer
+        self.model, self.runner, self.optimizer = trained.model, trained.runner, trained.optimizer
         self.grpo = GRPOConfig(loss_type=loss_type, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
                                max_tokens_per_microbatch=cfg.grpo.max_tokens_per_microbatch or microbatch_tokens)
         self.rollout = RolloutConfig(max_completion_length=max_completion_length)
@@ -217,7 +217,7 @@ class FastGRPOSide:
         from fastgrpo.algorithms.grpo import grpo_update
 
         metrics = StepMetrics()
-        grpo_update(self.model, self.batch, grpo=self.grpo, rollout=self.rollout, optimizer=optimizer,
+        grpo_update(self.runner, self.batch, grpo=self.grpo, rollout=self.rollout, optimizer=optimizer,
                     max_grad_norm=max_grad_norm, metrics=metrics, device=self.device,
                     max_tokens_per_microbatch=self._budget())
         metrics.reduce()  # the trainer reads its metrics once per step
@@ -379,7 +379,7 @@ def run(args, argv_text: str, root: Path, say=print) -> dict:
     report = {"command": argv_text, "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
               "device": torch.cuda.get_device_name() if device.type == "cuda"
               else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-              "dtype": ("bf16 weights, float32 masters" if sides["fastgrpo"].model.autocast_dtype is None
+              "dtype": ("bf16 weights, float32 masters" if sides["fastgrpo"].runner.autocast_dtype is None
                         and next(sides["fastgrpo"].model.parameters()).dtype == torch.bfloat16
                         else "bf16 autocast, float32 weights" if device.type == "cuda" else "float32"),
               "fastgrpo_set": list(getattr(args, "fastgrpo_set", [])),

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from fastgrpo.distributed import groups as fdist  # noqa: E402
 from fastgrpo.config import GRPOConfig, LoraConfig, ParallelConfig, RolloutConfig  # noqa: E402
-from fastgrpo.models.lora import AdapterDisabled, apply_lora  # noqa: E402
+from fastgrpo.distributed.runner import AdapterDisabled  # noqa: E402
+from fastgrpo.models.lora import apply_lora  # noqa: E402
 from fastgrpo.runtime.metrics import StepMetrics  # noqa: E402
 from fastgrpo.models.packing import partition_balanced, plan_microbatches  # noqa: E402
 from fastgrpo.distributed.parallelize import parallelize_model  # noqa: E402

@@ -21,7 +21,7 @@ from fastgrpo.distributed import groups as fdist  # noqa: E402
 from fastgrpo.config import GRPOConfig, ParallelConfig, PPOConfig, RolloutConfig  # noqa: E402
 from fastgrpo.config import LoraConfig  # noqa: E402
 from fastgrpo.algorithms.critic import apply_critic_lora, attach_value_head  # noqa: E402
-from fastgrpo.models.lora import AdapterDisabled  # noqa: E402
+from fastgrpo.distributed.runner import AdapterDisabled  # noqa: E402
 from fastgrpo.runtime.metrics import StepMetrics  # noqa: E402
 from fastgrpo.distributed.parallelize import parallelize_model  # noqa: E402
 from fastgrpo.algorithms.ppo import PPOBatch, ppo_update  # noqa: E402

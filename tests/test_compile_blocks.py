@@ -90,7 +90,7 @@ def test_a_compiled_block_under_autocast_gives_the_eager_loss_and_gradients():
     float32, v in bf16 (the first H100 run's failure, "Expected query, key, and value to have the same dtype"); the
     op's autocast rule casts them as sdpa would, so compiled = eager (autocast on the CPU here). Inductor's caches
     are off: a graph cached by a run with the rule would hide its absence."""
-    from fastgrpo.distributed.parallelize import parallelize_model
+    from fastgrpo.distributed.runner import prepare_model
     from fastgrpo.models.packing import pack
 
     torch._dynamo.reset()
@@ -99,12 +99,12 @@ def test_a_compiled_block_under_autocast_gives_the_eager_loss_and_gradients():
     results = []
     for compile in (True, False):
         model = AutoModelForCausalLM.from_pretrained(build_tiny(), attn_implementation="varlen_op").train()
-        model = parallelize_model(model, ParallelConfig(compile=compile), device="cpu", world_size=1)
-        model.autocast_dtype = torch.bfloat16  # what parallelize_model sets on one plain GPU
+        runner = prepare_model(model, ParallelConfig(compile=compile), device="cpu", world_size=1)
+        runner.autocast_dtype = torch.bfloat16  # what prepare_model sets on one plain GPU
         mb = pack([[1, 2, 3, 4], [9] * 7], [[5, 6, 7], [8] * 9], [[0, 1]], "cpu", buckets=[32], max_seqlen=16)[0]
         with torch._inductor.config.patch(fx_graph_cache=False), \
                 torch._functorch.config.patch(enable_autograd_cache=False):
-            loss = model.packed_forward(mb, lambda h, w: torch.log_softmax((h @ w.T).float(), -1).gather(
+            loss = runner.packed_forward(mb, lambda h, w: torch.log_softmax((h @ w.T).float(), -1).gather(
                 1, mb.targets[:, None]).sum())
             loss.backward()
         results.append((loss.detach(), {n.replace("_orig_mod.", ""): p.grad for n, p in model.named_parameters()}))

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fastgrpo.config import ParallelConfig
-from fastgrpo.distributed.parallelize import parallelize_model, transformer_blocks
+from fastgrpo.distributed.runner import ModelRunner, prepare_model
 from fastgrpo.models.attention import register_with_transformers
 from fastgrpo.models.packing import pack
 from fastgrpo.models.tiny import build_tiny
@@ -17,10 +17,10 @@ from fastgrpo.update.cuda_graphs import graph_blocks
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 
-def _model(device: str, attn: str = "varlen_op", **parallel):
+def _model(device: str, attn: str = "varlen_op", **parallel) -> ModelRunner:
     register_with_transformers()
     model = AutoModelForCausalLM.from_pretrained(build_tiny(), attn_implementation=attn).train()
-    return parallelize_model(model, ParallelConfig(**parallel), device=device, world_size=1)
+    return prepare_model(model, ParallelConfig(**parallel), device=device, world_size=1)
 
 
 def test_cuda_graphs_are_refused_without_cuda(monkeypatch):
@@ -28,7 +28,7 @@ def test_cuda_graphs_are_refused_without_cuda(monkeypatch):
     with pytest.raises(ValueError, match="parallel.cuda_graphs needs one plain CUDA device"):
         _model("cpu", cuda_graphs=True, token_buckets=[32])
     with pytest.raises(ValueError, match="parallel.cuda_graphs needs a CUDA device"):
-        graph_blocks(transformer_blocks(_model("cpu")), [32])
+        graph_blocks(_model("cpu").blocks, [32])
 
 
 class _StaticGradient(torch.autograd.Function):
@@ -65,11 +65,12 @@ def test_gradient_buffers_keep_a_graphs_static_gradient_out_of_grad():
         assert p.grad.data_ptr() != static.data_ptr()
 
 
-def _loss_and_grads(model, mbs):
+def _loss_and_grads(runner, mbs):
+    model = runner.module
     model.zero_grad(set_to_none=True)
     total = 0.0
     for mb in mbs:
-        loss = model.packed_forward(mb, lambda h, w, mb=mb: torch.log_softmax((h @ w.T).float(), -1).gather(
+        loss = runner.packed_forward(mb, lambda h, w, mb=mb: torch.log_softmax((h @ w.T).float(), -1).gather(
             1, mb.targets[:, None]).sum())
         loss.backward()
         total += loss.detach()
@@ -87,9 +88,9 @@ def test_a_graphed_update_gives_the_eager_loss_and_gradients_and_runs_other_rows
     # torch_varlen: what an eager CUDA update runs (choose_attn_implementation's CUDA default without flash-attn)
     eager, graphed = _model("cuda", "torch_varlen", **parallel), _model("cuda", "torch_varlen", **parallel)
     assert (eager.autocast_dtype is None) == (weights == "bf16")
-    blocks = transformer_blocks(graphed)
+    blocks = graphed.blocks
     graphs = graph_blocks(blocks, [32, 16])
-    assert blocks.block_graphs is graphs
+    graphed.block_graphs, graphed.block_forwards = graphs, graphs.block_forwards()
     for _ in range(3):  # replays after the first capture
         mbs = pack(prompts, completions, bins, "cuda", buckets=[16, 32])
         assert [mb.num_tokens for mb in mbs] == [16, 70]
@@ -125,16 +126,16 @@ def test_the_graphed_grpo_update_trains_as_the_eager_one_and_captures_each_row_s
         losses[name] = []
         for batch in batches:
             metrics = StepMetrics()
-            grpo_update(trained.model, batch, grpo=GRPOConfig(max_tokens_per_microbatch=64),
+            grpo_update(trained.runner, batch, grpo=GRPOConfig(max_tokens_per_microbatch=64),
                         rollout=RolloutConfig(max_completion_length=14), optimizer=trained.optimizer,
                         scheduler=trained.scheduler, max_grad_norm=1.0, metrics=metrics, device="cuda")
             losses[name].append(metrics.reduce()["loss"])
         if graphs_on:
-            graphs = transformer_blocks(trained.model).block_graphs
+            graphs = trained.runner.block_graphs
             # 6 sequences of 23 tokens: rows of 2 (46 -> bucket 64) and the same row shapes at every step
             assert graphs.captures == len({(s.tokens, s.boundaries, s.max_seqlen) for s in graphs.graphed})
             assert 1 <= graphs.captures <= 2 and graphs.replays > 0
-            heads = trained.model.head_graphs  # parallel.cuda_graphs_head (on by default): 2 x 14 = 28 -> 32 rows
+            heads = trained.runner.head_graphs  # parallel.cuda_graphs_head (on by default): 2 x 14 = 28 -> 32 rows
             assert (heads.captures, heads.eager_calls) == (1, 0) and heads.replays == 3 * len(batches)
     assert losses["graphed"] == pytest.approx(losses["eager"], rel=2e-2, abs=2e-3)
 
@@ -154,8 +155,9 @@ def test_the_graphed_head_gives_the_eager_heads_loss_stats_and_gradients(weights
     from fastgrpo.update.cuda_graphs import GradientBuffers, graph_head
     from fastgrpo.update.step import optimizer_update, plan_step
 
-    model = _model("cuda", "torch_varlen", **({"master_weights": True} if weights == "bf16" else {}))
-    model.gradient_buffers = GradientBuffers(model.parameters())  # as build_trained sets it with cuda_graphs
+    runner = _model("cuda", "torch_varlen", **({"master_weights": True} if weights == "bf16" else {}))
+    model = runner.module
+    runner.gradient_buffers = GradientBuffers(model.parameters())  # as build_trained sets it with cuda_graphs
     objective = PolicyObjective.from_config(GRPOConfig(loss_type="dr_grpo", beta=0.04, head_backend=backend),
                                             RolloutConfig(), "cuda")
     g = torch.Generator().manual_seed(0)
@@ -172,11 +174,11 @@ def test_the_graphed_head_gives_the_eager_heads_loss_stats_and_gradients(weights
         results = []
         for graphed in (False, True):
             if graphed and graphs is None:
-                graphs = graph_head(model, get_trunk_and_head(model)[1])
-            model.head_graphs = graphs if graphed else None
+                graphs = graph_head(get_trunk_and_head(model)[1])
+            runner.head_graphs = graphs if graphed else None
             metrics = StepMetrics()
             opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay; the gradients are compared
-            optimizer_update(model, plan.mbs, head, optimizer=opt, max_grad_norm=0.0, metrics=metrics)
+            optimizer_update(runner, plan.mbs, head, optimizer=opt, max_grad_norm=0.0, metrics=metrics)
             results.append((metrics.reduce(), {k: p.grad.float().clone() for k, p in model.named_parameters()}))
         (me, ge), (mg, gg) = results
         for k in me:
@@ -215,7 +217,7 @@ def test_micro_batches_sharing_a_graph_sum_their_gradients():
         grads[name] = []
         for _ in range(2):
             opt = torch.optim.SGD(trained.model.parameters(), lr=0.0)  # the weights stay; gradients compared
-            optimizer_update(trained.model, plan.mbs, objective.head_loss(inputs), optimizer=opt, max_grad_norm=0.0,
+            optimizer_update(trained.runner, plan.mbs, objective.head_loss(inputs), optimizer=opt, max_grad_norm=0.0,
                              metrics=StepMetrics())
             grads[name].append({k: p.grad.float().clone() for k, p in trained.model.named_parameters()})
     for eager, graphed in zip(grads["eager"], grads["graphed"]):
@@ -225,27 +227,25 @@ def test_micro_batches_sharing_a_graph_sum_their_gradients():
 
 def test_the_decode_copy_of_a_graphed_policy_runs_its_own_bf16_blocks(monkeypatch):
     """The hf engine decodes a float32 + autocast policy (one GPU, no master weights) from a bf16 deepcopy of it.
-    With parallel.cuda_graphs the copy's blocks must run their own forward, not the policy's graph dispatch (which
-    would call the float32 originals on bf16 inputs), and the update's graph state stays behind. Built on the CPU
-    with the CUDA check stood in (nothing is captured: graphs capture on the first training forward)."""
+    With parallel.cuda_graphs the graphs live in the policy's runner and stand in for the blocks' forwards during
+    its packed passes only: the module the copy is made from is plain, so the copy's blocks run their own bf16
+    forward. Built on the CPU with the CUDA check stood in (nothing is captured: graphs capture on the first
+    training forward)."""
     from fastgrpo.models.loading import get_trunk_and_head
     from fastgrpo.rollout.hf import decode_copy
     from fastgrpo.update.cuda_graphs import GradientBuffers, graph_head
 
     policy, plain = _model("cpu", "sdpa"), _model("cpu", "sdpa")
-    for m in (policy, plain):
-        m.autocast_dtype = torch.bfloat16  # what parallelize_model sets on one CUDA device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    graph_blocks(transformer_blocks(policy), [32])
-    graph_head(policy, get_trunk_and_head(policy)[1])
-    policy.gradient_buffers = GradientBuffers(policy.parameters())
-    copy, copy_params, policy_params = decode_copy(policy)
-    reference = decode_copy(plain)[0]
-    for name in ("packed_forward", "head_graphs", "gradient_buffers"):
-        assert not hasattr(copy, name), name
-    assert not hasattr(transformer_blocks(copy), "block_graphs")
+    graphs = graph_blocks(policy.blocks, [32])
+    policy.block_graphs, policy.block_forwards = graphs, graphs.block_forwards()
+    policy.head_graphs = graph_head(get_trunk_and_head(policy.module)[1])
+    policy.gradient_buffers = GradientBuffers(policy.module.parameters())
+    copy, copy_params, policy_params = decode_copy(policy.module, torch.bfloat16)
+    reference = decode_copy(plain.module, torch.bfloat16)[0]
+    assert not any("forward" in vars(m) for m in (*policy.module.modules(), *copy.modules()))
     assert all(p.dtype == torch.bfloat16 for p in copy.parameters())
-    assert hasattr(policy, "head_graphs") and transformer_blocks(policy).block_graphs.captures == 0
+    assert graphs.captures == 0
     ids = torch.tensor([[5, 9, 17, 33, 2, 7]])
     with torch.no_grad():
         torch.testing.assert_close(copy(ids).logits, reference(ids).logits, rtol=0, atol=0)

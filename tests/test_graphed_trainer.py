@@ -78,15 +78,15 @@ def test_a_graphed_run_trains_as_the_plain_run_and_resumes(tmp_path, graphs_on_c
     graphed_extra = ["parallel.cuda_graphs=true", *([] if case == "grpo-auto-buckets" else [BUCKETS]), *extra]
     plain = _run(tmp_path, "plain", BUCKETS, *extra)
     graphed = _run(tmp_path, "graphed", *graphed_extra)
-    blocks = parallelize.transformer_blocks(graphed.model).block_graphs
-    heads = graphed.model.head_graphs
+    blocks = graphed.runner.block_graphs
+    heads = graphed.runner.head_graphs
     assert blocks.captures >= 1 and blocks.replays > 0, "the block graphs' path did not run"
     assert blocks.buckets == (None if case == "grpo-auto-buckets" else {256, 512, 1024})
     assert heads.captures >= 1 and heads.replays > 0, "the head graphs' path did not run"
-    assert graphed.model.gradient_buffers.params and not hasattr(plain.model, "gradient_buffers")
+    assert graphed.runner.gradient_buffers.params and plain.runner.gradient_buffers is None
     if case == "ppo":  # the critic trains through its own graphed blocks (its value head is no TokenHead: eager)
-        critic_blocks = parallelize.transformer_blocks(graphed.critic).block_graphs
-        assert critic_blocks.replays > 0 and graphed.critic.head_graphs.replays == 0
+        critic = graphed.extras["critic"].runner
+        assert critic.block_graphs.replays > 0 and critic.head_graphs.replays == 0
     a, b = _state(plain), _state(graphed)
     assert a.keys() == b.keys() and any(k.startswith("critic.") for k in a) == (case == "ppo")
     for k in a:

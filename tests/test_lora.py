@@ -12,6 +12,7 @@ import dist_helpers as dh  # tests/ is on sys.path (pytest rootdir-relative impo
 from fastgrpo.models import lora
 from fastgrpo.config import ConfigError, LoraConfig, ParallelConfig, load_config
 from fastgrpo.distributed.parallelize import parallelize_model
+from fastgrpo.distributed.runner import AdapterDisabled
 from fastgrpo.models.policy_state import hf_name, iter_policy_tensors
 from fastgrpo.update.step import packed_logprobs, plan_packed
 
@@ -22,7 +23,7 @@ def _logprobs(model, ref: bool = False) -> torch.Tensor:
     prompts, completions, _ = dh.problem()
     mbs = plan_packed(prompts, completions, 25, device="cpu")
     n = sum(len(c) for c in completions)
-    target = lora.AdapterDisabled(model) if ref else model
+    target = AdapterDisabled(model) if ref else model
     return packed_logprobs(target, mbs, n, temperature=1.0, backend="torch")
 
 

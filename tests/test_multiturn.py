@@ -11,6 +11,7 @@ from fastgrpo.environments.trajectory import ObservationRenderer, run_trajectori
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.models.loading import load_model, load_tokenizer
 from fastgrpo.distributed.parallelize import parallelize_model
+from fastgrpo.distributed.runner import ModelRunner
 from fastgrpo.rollout import Completion, RolloutEngine, SamplingParams
 from fastgrpo.rollout.hf import HFEngine
 from fastgrpo.algorithms.sampling import concat_episodes, select_groups
@@ -98,7 +99,8 @@ def _update(model, prompts, trajs, *, capture=None, advantages=None, loss_type="
     batch = GRPOBatch(prompt_ids=prompts, completion_ids=[t.ids for t in trajs],
                       advantages=torch.linspace(-1, 1, len(trajs)) if advantages is None else advantages,
                       model_mask=torch.tensor([m for t in trajs for m in t.model_mask], dtype=torch.bool))
-    forward = model.packed_forward
+    runner = ModelRunner(model)
+    forward = runner.packed_forward
 
     def hooked(mb, fn):
         def head(h, w):
@@ -107,12 +109,9 @@ def _update(model, prompts, trajs, *, capture=None, advantages=None, loss_type="
             return fn(h, w)
         return forward(mb, head)
 
-    model.packed_forward = hooked
-    try:
-        grpo_update(model, batch, grpo=GRPOConfig(loss_type=loss_type, beta=0.0), rollout=RolloutConfig(),
-                    optimizer=opt, max_grad_norm=0.0, metrics=metrics, device="cpu")
-    finally:
-        model.packed_forward = forward
+    runner.packed_forward = hooked
+    grpo_update(runner, batch, grpo=GRPOConfig(loss_type=loss_type, beta=0.0), rollout=RolloutConfig(),
+                optimizer=opt, max_grad_norm=0.0, metrics=metrics, device="cpu")
     return metrics.reduce()
 
 

@@ -1,6 +1,6 @@
 """One plain GPU (``parallel.one_gpu: plain``): float32 masters, forwards under autocast, a bf16 decode copy.
 
-The CPU tests simulate the GPU path by giving a CPU model ``autocast_dtype = bfloat16`` (what ``parallelize_model``
+The CPU tests simulate the GPU path by giving a CPU model's runner ``autocast_dtype = bfloat16`` (what ``prepare_model``
 sets on one CUDA rank): CPU autocast runs the same code. The last test runs the real thing on CUDA when one exists.
 """
 
@@ -13,6 +13,7 @@ from fastgrpo.kernels import linear_logprobs
 from transformers import AutoTokenizer
 from fastgrpo.models.packing import pack
 from fastgrpo.distributed.parallelize import autocast_dtype, parallelize_model, uses_fsdp
+from fastgrpo.distributed.runner import ModelRunner, prepare_model
 from fastgrpo.rollout import SamplingParams
 from fastgrpo.rollout.hf import HFEngine, decode_copy
 from fastgrpo.models.tiny import build_tiny
@@ -34,8 +35,8 @@ def _policy(seed=0):
     return parallelize_model(model, ParallelConfig(), device="cpu", world_size=1)
 
 
-def _logp_sum(model, mb):
-    return model.packed_forward(mb, lambda h, w: (linear_logprobs(h, w, mb.targets, backend="torch"), h.dtype,
+def _logp_sum(model, mb, autocast_dtype=None):
+    return ModelRunner(model, autocast_dtype=autocast_dtype).packed_forward(mb, lambda h, w: (linear_logprobs(h, w, mb.targets, backend="torch"), h.dtype,
                                                   w.dtype))
 
 
@@ -44,8 +45,7 @@ def test_autocast_forward_is_bf16_compute_with_float32_master_gradients():
     mb = pack([[1, 2, 3, 4], [5, 6, 7]], [[8, 9], [10, 11, 12]], [[0, 1]], "cpu")[0]
     ref, h_dtype, w_dtype = _logp_sum(model, mb)
     assert h_dtype == w_dtype == torch.float32
-    model.autocast_dtype = torch.bfloat16
-    lp, h_dtype, w_dtype = _logp_sum(model, mb)
+    lp, h_dtype, w_dtype = _logp_sum(model, mb, torch.bfloat16)
     assert h_dtype == w_dtype == torch.bfloat16  # the head gets both operands in the compute dtype
     assert not torch.equal(lp, ref)  # bf16 compute really happened ...
     torch.testing.assert_close(lp, ref, atol=0.15, rtol=0.05)  # ... and is the same function
@@ -63,14 +63,13 @@ def tok():
 
 def test_decode_copy_is_bf16_tied_and_refreshed_by_sync_from(tok):
     policy = _policy()
-    assert decode_copy(policy) is None  # no autocast: the engine decodes with the policy itself
+    assert decode_copy(policy, None) is None  # no autocast: the engine decodes with the policy itself
     assert not HFEngine(policy, tok).sync_from(policy)
-    policy.autocast_dtype = torch.bfloat16
-    engine = HFEngine(policy, tok, batch_size=4)
+    engine = HFEngine(policy, tok, batch_size=4, autocast_dtype=torch.bfloat16)
     copy = engine.model
     assert copy is not policy and all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copy.parameters())
     assert copy.get_input_embeddings().weight is copy.get_output_embeddings().weight  # the tie survives
-    assert not hasattr(copy, "packed_forward") and copy.autocast_dtype is None
+    assert vars(copy).keys() == vars(policy).keys() and engine.autocast_dtype is None  # the copy decodes in bf16
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.01)
@@ -87,15 +86,14 @@ def test_decode_copy_is_bf16_tied_and_refreshed_by_sync_from(tok):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_gpu_step_on_cuda_matches_float32_and_decodes_with_the_graph(tok):
     model = AutoModelForCausalLM.from_pretrained(build_tiny(), dtype=torch.float32, attn_implementation="sdpa")
-    model = parallelize_model(model, ParallelConfig(), device="cuda", world_size=1)
-    assert model.autocast_dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.float32
+    runner = prepare_model(model, ParallelConfig(), device="cuda", world_size=1)
+    model = runner.module
+    assert runner.autocast_dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.float32
     mb = pack([[1, 2, 3, 4], [5, 6, 7]], [[8, 9], [10, 11, 12]], [[0, 1]], "cuda")[0]
-    lp, _, _ = _logp_sum(model, mb)
-    model.autocast_dtype = None
+    lp, _, _ = _logp_sum(model, mb, runner.autocast_dtype)
     ref, _, _ = _logp_sum(model, mb)
     torch.testing.assert_close(lp, ref, atol=0.15, rtol=0.05)
-    model.autocast_dtype = torch.bfloat16
-    engine = HFEngine(model, tok, batch_size=4)
+    engine = HFEngine(model, tok, batch_size=4, autocast_dtype=runner.autocast_dtype)
     assert engine.lean_decoder() is not None  # the bf16 copy is plain: lean step and CUDA graph apply
     out = engine.generate([tok("12 + 3 =")["input_ids"]], 4, SamplingParams(max_tokens=8, temperature=1.0, seed=0))
     assert all(1 <= len(c.token_ids) <= 8 for c in out[0])

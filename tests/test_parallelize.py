@@ -6,15 +6,15 @@ from transformers import AutoModelForCausalLM
 
 from fastgrpo.config import ParallelConfig
 from fastgrpo.models.packing import pack
-from fastgrpo.distributed.parallelize import parallelize_model
+from fastgrpo.distributed.runner import prepare_model
 from fastgrpo.models.tiny import build_tiny
 
 
 def _loss_and_grads(cfg: ParallelConfig):
     model = AutoModelForCausalLM.from_pretrained(build_tiny(), attn_implementation="sdpa").train()
-    model = parallelize_model(model, cfg, device="cpu", world_size=1)
+    runner = prepare_model(model, cfg, device="cpu", world_size=1)
     mb = pack([[1, 2, 3, 4], [5, 6, 7]], [[8, 9], [10, 11, 12]], [[0, 1]], "cpu")[0]
-    loss = model.packed_forward(mb, lambda h, w: torch.log_softmax(h @ w.T, -1).gather(1, mb.targets[:, None]).sum())
+    loss = runner.packed_forward(mb, lambda h, w: torch.log_softmax(h @ w.T, -1).gather(1, mb.targets[:, None]).sum())
     loss.backward()
     return loss.detach(), {n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): p.grad.clone()
                            for n, p in model.named_parameters()}

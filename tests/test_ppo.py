@@ -17,6 +17,7 @@ from _launch import run_ranks
 from fastgrpo.config import ConfigError, ParallelConfig, load_config
 from fastgrpo.algorithms.critic import attach_value_head, is_value_model, packed_values, value_head_forward
 from fastgrpo.distributed.parallelize import parallelize_model
+from fastgrpo.distributed.runner import ModelRunner
 from fastgrpo.algorithms.ppo import clipped_value_loss, gae, mini_batches, token_rewards, whiten
 from fastgrpo.update.step import plan_step
 from test_trainer import TOY, _first_token_digit_mass, _rewards
@@ -113,7 +114,7 @@ def test_critic_gradient_through_packed_rows_equals_unpadded():
     plan = plan_step(prompts, completions, 40, device="cpu")
     assert len(plan.mbs) > 1 and any(len(mb.seq_indices) > 1 for mb in plan.mbs)
     for mb in plan.mbs:
-        critic.packed_forward(mb, lambda h, w, mb=mb: (value_head_forward(h, w) * coef[mb.flat_index]).sum()
+        ModelRunner(critic).packed_forward(mb, lambda h, w, mb=mb: (value_head_forward(h, w) * coef[mb.flat_index]).sum()
                               ).backward()
     packed = {n: p.grad.clone() for n, p in critic.named_parameters()}
     values = packed_values(critic, plan.mbs, n_tok)

@@ -14,6 +14,7 @@ from fastgrpo.models.attention import register_with_transformers
 from fastgrpo.models.packing import AUTO_BUCKETS, pack, plan_microbatches, resolve_buckets, segment_capacity
 from fastgrpo.models.tiny import build_tiny
 from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.distributed.runner import ModelRunner, prepare_model
 from fastgrpo.update.step import plan_step
 
 
@@ -30,7 +31,7 @@ def _loss_and_grads(model, mbs, adv, weights):
     for mb in mbs:
         def head(h, w, mb=mb):  # h [n, H], w [V, H]
             return linear_grpo_loss(h, w, mb.targets, adv[mb.flat_index], weights[mb.flat_index], backend="torch")[0]
-        loss = model.packed_forward(mb, head)
+        loss = ModelRunner(model).packed_forward(mb, head)
         loss.backward()
         total += loss.detach()
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -139,10 +140,10 @@ def test_the_step_plan_keeps_padded_rows_to_few_shapes_that_launch_few_empty_blo
 
 def test_throughput_counts_the_real_tokens_of_padded_rows(rng):
     model = AutoModelForCausalLM.from_pretrained(build_tiny()).train()
-    model = parallelize_model(model, ParallelConfig(token_buckets=[64]), device="cpu", world_size=1)
+    runner = prepare_model(model, ParallelConfig(token_buckets=[64]), device="cpu", world_size=1)
     prompts, completions = _batch(rng, n=3)  # at most 3 x 19 tokens: one row, always padded
     metrics = StepMetrics()
-    mbs = sft_update(model, prompts, completions, normalization="token", max_tokens_per_microbatch=64,
+    mbs = sft_update(runner, prompts, completions, normalization="token", max_tokens_per_microbatch=64,
                      head_backend="torch", optimizer=torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=0.0,
                      metrics=metrics, device="cpu")
     assert {mb.num_tokens for mb in mbs} == {64}  # padded to the model's bucket: more slots than real tokens

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from fastgrpo.algorithms.sft import sft_update
 from fastgrpo.algorithms.tokens import PolicyObjective, TokenInputs
 from fastgrpo.config import GRPOConfig, ParallelConfig, RolloutConfig
-from fastgrpo.distributed.parallelize import parallelize_model
+from fastgrpo.distributed.runner import prepare_model
 from fastgrpo.models.loading import get_trunk_and_head
 from fastgrpo.models.tiny import build_tiny
 from fastgrpo.runtime.metrics import StepMetrics
@@ -75,7 +75,7 @@ def _sft_head(n: int, g: torch.Generator):
     real = sft.optimizer_update
     sft.optimizer_update = fake_update
     try:
-        sft_update(SimpleNamespace(train=lambda: None), [[1, 2]], [list(range(3, 3 + n))], normalization="token",
+        sft_update(SimpleNamespace(train=lambda: None, token_buckets=()), [[1, 2]], [list(range(3, 3 + n))], normalization="token",
                    max_tokens_per_microbatch=4096, head_backend="torch", optimizer=None, max_grad_norm=1.0,
                    metrics=StepMetrics(), device="cpu")
     finally:
@@ -156,14 +156,14 @@ def test_the_head_graphs_plumbing_gives_the_eager_update(monkeypatch, autocast):
     grpo = GRPOConfig(loss_type="dr_grpo", beta=0.04, head_backend="torch")
     objective = PolicyObjective.from_config(grpo, RolloutConfig(), "cpu")
 
-    def model():
+    def runner():
         m = AutoModelForCausalLM.from_pretrained(build_tiny(), attn_implementation="sdpa").train()
-        m = parallelize_model(m, ParallelConfig(), device="cpu", world_size=1)
-        m.autocast_dtype = autocast
-        return m
+        r = prepare_model(m, ParallelConfig(), device="cpu", world_size=1)
+        r.autocast_dtype = autocast
+        return r
 
-    plain, graphed = model(), model()
-    graphs = cuda_graphs.HeadGraphs(get_trunk_and_head(graphed)[1])
+    plain, graphed = runner(), runner()
+    graphs = cuda_graphs.HeadGraphs(get_trunk_and_head(graphed.module)[1])
     graphed.head_graphs = graphs
     g = torch.Generator().manual_seed(0)
     steps = [([[1, 2, 3]] * 3, [[4, 5, 6, 7]] * 3), ([[1, 2, 3]] * 3, [[4, 5, 6, 7, 8]] * 3),
@@ -177,9 +177,9 @@ def test_the_head_graphs_plumbing_gives_the_eager_update(monkeypatch, autocast):
         results = []
         for m in (plain, graphed):
             metrics = StepMetrics()
-            opt = torch.optim.SGD(m.parameters(), lr=0.0)  # lr 0: the weights stay equal, the gradients compared
+            opt = torch.optim.SGD(m.module.parameters(), lr=0.0)  # lr 0: the weights stay equal, the gradients compared
             optimizer_update(m, plan.mbs, head, optimizer=opt, max_grad_norm=0.0, metrics=metrics)
-            results.append((metrics.reduce(), {k: p.grad.clone() for k, p in m.named_parameters()}))
+            results.append((metrics.reduce(), {k: p.grad.clone() for k, p in m.module.named_parameters()}))
         (ms, gs), (mg, gg) = results
         assert ms.keys() == mg.keys() and "policy/kl_mean" in ms
         for k in ms:

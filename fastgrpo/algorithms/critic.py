@@ -5,8 +5,8 @@ Legend: N completion tokens (flat layout), n those of one micro-batch, H hidden 
 The critic is loaded like the policy (:func:`fastgrpo.models.loading.load_model`, from ``ppo.critic_init`` or the policy's
 ``model.name_or_path``), and its output layer is replaced by ``value_head``, an ``nn.Linear(H, 1, bias=False)``:
 ``get_output_embeddings()`` then returns the value head, so everything written for the policy runs unchanged on the
-critic. ``parallelize_model`` shards it the same way (the head joins the root FSDP unit, as lm_head does),
-``model.packed_forward(mb, head)`` hands ``head`` the hidden states of the packed row's completion positions and the
+critic. ``prepare_model`` shards it the same way (the head joins the root FSDP unit, as lm_head does),
+its runner's ``packed_forward(mb, head)`` hands ``head`` the hidden states of the packed row's completion positions and the
 value head's weight ``[1, H]`` (gathered under FSDP2), and checkpoints hold it like any parameter. With tied
 embeddings (Qwen2.5-0.5B..3B) the embedding stays as it was and the tie is cut: the value head is its own weight.
 
@@ -29,6 +29,7 @@ from torch import nn
 from fastgrpo.algorithms.interface import ModelSetup
 from fastgrpo.config import LoraConfig, ModelConfig
 from fastgrpo.distributed.parallelize import uses_fsdp
+from fastgrpo.distributed.runner import ModelRunner, as_runner
 from fastgrpo.models.lora import apply_lora, check_peft_available
 from fastgrpo.models.loading import load_model
 from fastgrpo.models.packing import MicroBatch
@@ -112,8 +113,10 @@ def value_head_forward(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 
 @torch.no_grad()
-def packed_values(critic: nn.Module, mbs: list[MicroBatch], num_tokens: int) -> torch.Tensor:
-    """The critic's values [N] float32 of every completion token's state, in the step's flat layout."""
+def packed_values(critic: ModelRunner | nn.Module, mbs: list[MicroBatch], num_tokens: int) -> torch.Tensor:
+    """The critic's values [N] float32 of every completion token's state, in the step's flat layout (``critic``: its
+    runner, or the module run by a default one)."""
+    critic = as_runner(critic)
     device = mbs[0].targets.device if mbs else "cpu"
     out = torch.zeros(num_tokens, dtype=torch.float32, device=device)  # [N]
     for mb in mbs:

@@ -19,9 +19,11 @@ import torch
 
 from fastgrpo.algorithms.advantages import self_imitation_mask
 from fastgrpo.algorithms.interface import Algorithm, StepInputs
+from fastgrpo.algorithms.kept_mass import old_kept_log_mass
 from fastgrpo.algorithms.tokens import (PolicyObjective, SequenceBatch, TokenInputs, importance_weights,
                                        loss_type_weights)
 from fastgrpo.config import GRPOConfig, RolloutConfig
+from fastgrpo.distributed.runner import ModelRunner, as_runner
 from fastgrpo.models.packing import MicroBatch
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update.guard import NonFiniteGuard
@@ -63,15 +65,16 @@ def entropy_mask(entropy: torch.Tensor, counted: torch.Tensor, quantile: float) 
     return counted & (entropy >= threshold), threshold
 
 
-def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, rollout: RolloutConfig,
+def grpo_update(model: ModelRunner | torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, rollout: RolloutConfig,
                 optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                 max_grad_norm: float, metrics: StepMetrics, device: torch.device | str,
-                ref_model: torch.nn.Module | None = None, pad_token_id: int = 0,
+                ref_model: ModelRunner | torch.nn.Module | None = None, pad_token_id: int = 0,
                 guard: NonFiniteGuard | None = None,
                 max_tokens_per_microbatch: int | None = None) -> list[MicroBatch]:
     """``grpo.num_iterations`` optimizer updates on one rollout batch; returns the micro-batches it ran.
 
-    ``max_tokens_per_microbatch``, when given, replaces ``grpo.max_tokens_per_microbatch`` (the trainer passes the
+    ``model``: the policy's runner (``fastgrpo.distributed.runner``), or a module run by a default one; likewise
+    ``ref_model``. ``max_tokens_per_microbatch``, when given, replaces ``grpo.max_tokens_per_microbatch`` (the trainer passes the
     budget it sized from free GPU memory, :meth:`fastgrpo.trainers.grpo.Trainer.microbatch_tokens`).
 
     Token weights (``grpo.loss_type``) are normalised over the global batch (all ranks), so the summed gradient
@@ -80,6 +83,7 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
     As in TRL, the entropy mask and the truncated importance weights scale the policy term only
     (:class:`fastgrpo.algorithms.tokens.TokenInputs`).
     """
+    model = as_runner(model)
     lens = [len(c) for c in batch.completion_ids]  # [S] host ints
     lengths = torch.tensor(lens, dtype=torch.long)  # [S]
     n_tok = sum(lens)  # N on this rank
@@ -92,7 +96,7 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
     plan = plan_step(batch.prompt_ids, batch.completion_ids,
                      max_tokens_per_microbatch or microbatch_tokens(grpo.max_tokens_per_microbatch, device),
                      device=device, pad_token_id=pad_token_id, counted_tokens=counted,
-                     buckets=getattr(model, "token_buckets", ()))
+                     buckets=model.token_buckets)
     mbs = plan.mbs
     # [N] (model tokens only while model_mask is set)
     weights = loss_type_weights(grpo.loss_type, model_lens, plan, max_completion_length=rollout.max_completion_length)
@@ -126,7 +130,7 @@ def grpo_update(model: torch.nn.Module, batch: GRPOBatch, *, grpo: GRPOConfig, r
         old_lp = logprobs(model)  # [N]
     if batch.sampler_logprobs is not None:  # truncated importance sampling: sampler != trainer numerics
         is_w = importance_weights(old_lp, batch.sampler_logprobs, cap=rollout.importance_sampling_cap,
-                                  metrics=metrics)
+                                  metrics=metrics, old_kept_log_mass=old_kept_log_mass(model, mbs, n_tok, rollout))
         if grpo.num_iterations == 1:
             old_lp = None  # mu = 1: old = logp.detach(), exactly as without the correction
     inputs = TokenInputs.build(weights, adv, old_logprobs=old_lp, ref_logprobs=ref_lp, policy_factors=(kept, is_w),
@@ -156,7 +160,7 @@ def _update(ep, step: StepInputs) -> None:
         model_mask=None if ep.model_masks is None else  # multi-turn: environment tokens get weight 0
         torch.tensor([m for ms in ep.model_masks for m in ms], dtype=torch.bool))
     policy = step.policy
-    grpo_update(policy.model, batch, grpo=g, rollout=step.cfg.rollout, optimizer=policy.optimizer,
+    grpo_update(policy.runner, batch, grpo=g, rollout=step.cfg.rollout, optimizer=policy.optimizer,
                 scheduler=policy.scheduler, max_grad_norm=step.cfg.optim.max_grad_norm, metrics=step.metrics,
                 device=step.device, ref_model=step.ref_model, pad_token_id=step.pad_token_id, guard=policy.guard,
                 max_tokens_per_microbatch=step.max_tokens_per_microbatch)

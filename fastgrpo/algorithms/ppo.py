@@ -35,11 +35,13 @@ import torch
 
 from fastgrpo.algorithms.critic import build_critic, packed_values, value_head_forward
 from fastgrpo.algorithms.interface import Algorithm, ExtraModel, StepInputs
+from fastgrpo.algorithms.kept_mass import old_kept_log_mass
 from fastgrpo.algorithms.tokens import (PolicyObjective, SequenceBatch, TokenInputs, importance_weights,
                                        loss_type_weights)
 from fastgrpo.config import GRPOConfig, PPOConfig, RolloutConfig
 from fastgrpo.config.loader import check
 from fastgrpo.distributed import groups as fdist
+from fastgrpo.distributed.runner import ModelRunner, as_runner
 from fastgrpo.models.packing import MicroBatch, completion_offsets
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update.guard import NonFiniteGuard
@@ -159,12 +161,13 @@ def _flat_index(parts: list[int], lengths: list[int], device: torch.device | str
                         device=device)
 
 
-def ppo_update(policy: torch.nn.Module, critic: torch.nn.Module, batch: PPOBatch, *, grpo: GRPOConfig,
+def ppo_update(policy: ModelRunner | torch.nn.Module, critic: ModelRunner | torch.nn.Module, batch: PPOBatch, *, grpo: GRPOConfig,
                ppo: PPOConfig, rollout: RolloutConfig, optimizer: torch.optim.Optimizer,
                critic_optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, max_grad_norm: float,
-               metrics: StepMetrics, device: torch.device | str, ref_model: torch.nn.Module | None = None,
+               metrics: StepMetrics, device: torch.device | str,
+               ref_model: ModelRunner | torch.nn.Module | None = None,
                pad_token_id: int = 0, guard: NonFiniteGuard | None = None,
                critic_guard: NonFiniteGuard | None = None, train_policy: bool = True, seed: int = 0,
                max_tokens_per_microbatch: int | None = None) -> None:
@@ -180,10 +183,11 @@ def ppo_update(policy: torch.nn.Module, critic: torch.nn.Module, batch: PPOBatch
     ``critic/value_clipfrac``, ``critic/explained_variance`` (1 - Var(G - V) / Var(G) of the values before the
     update), ``critic/value_mean``, ``ppo/return_mean``, ``ppo/adv_abs_mean`` (before whitening).
     """
+    policy, critic = as_runner(policy), as_runner(critic)  # runners, or modules run by default ones
     lens = [len(c) for c in batch.completion_ids]  # [S] host ints
     n_tok = sum(lens)
     budget = max_tokens_per_microbatch or microbatch_tokens(grpo.max_tokens_per_microbatch, device)
-    buckets = getattr(policy, "token_buckets", ())  # the critic is parallelized with the same settings
+    buckets = policy.token_buckets  # the critic is prepared with the same settings
     plan = plan_step(batch.prompt_ids, batch.completion_ids, budget, device=device, pad_token_id=pad_token_id,
                      buckets=buckets)
     objective = PolicyObjective.from_config(grpo, rollout, device)
@@ -209,7 +213,7 @@ def ppo_update(policy: torch.nn.Module, critic: torch.nn.Module, batch: PPOBatch
     is_w = None
     if batch.sampler_logprobs is not None:  # truncated importance sampling: sampler != trainer numerics
         is_w = importance_weights(old_lp, batch.sampler_logprobs, cap=rollout.importance_sampling_cap,
-                                  metrics=metrics)
+                                  metrics=metrics, old_kept_log_mass=old_kept_log_mass(policy, plan.mbs, n_tok, rollout))
 
     updates = ppo.num_ppo_epochs * ppo.num_mini_batches
     g = torch.Generator().manual_seed(seed)
@@ -274,7 +278,7 @@ def check_ppo_config(cfg) -> None:
 def _update(ep, step: StepInputs) -> None:
     """A step's episodes -> :class:`PPOBatch` -> :func:`ppo_update` (the trainer's update of policy and critic)."""
     cfg, policy, critic = step.cfg, step.policy, step.extras["critic"]
-    ppo_update(policy.model, critic.model, PPOBatch(
+    ppo_update(policy.runner, critic.runner, PPOBatch(
         prompt_ids=ep.prompt_ids, completion_ids=ep.completion_ids, rewards=ep.rewards,
         sampler_logprobs=ep.sampler_logprobs), grpo=cfg.grpo, ppo=cfg.ppo, rollout=cfg.rollout,
         optimizer=policy.optimizer, scheduler=policy.scheduler, critic_optimizer=critic.optimizer,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from fastgrpo.algorithms.losses import SFT_NORMALIZATIONS, GlobalCounts, token_weights
+from fastgrpo.distributed.runner import ModelRunner, as_runner
 from fastgrpo.kernels import linear_logprobs, resolve_backend
 from fastgrpo.models.packing import MicroBatch
 from fastgrpo.runtime.metrics import StepMetrics
@@ -36,16 +37,18 @@ def _sft_token_weights(completion_ids: list[list[int]], normalization: str, *, n
                          num_tokens=sum(lens)).to(device)  # [N]
 
 
-def sft_update(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
+def sft_update(model: ModelRunner | torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
                normalization: str, max_tokens_per_microbatch: int, head_backend: str,
                optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                max_grad_norm: float, metrics: StepMetrics, device: torch.device | str,
                pad_token_id: int = 0, guard: NonFiniteGuard | None = None) -> list[MicroBatch]:
     """One optimizer update of supervised fine-tuning on this rank's (prompt, completion) pairs; returns the
     micro-batches it ran. The loss is ``sum_t w_t * -log p(y_t)`` over completion tokens only, the weights from
-    :func:`sft_weights`; the log-probs come from the fused head (``-linear_logprobs``: no [N, V] tensor)."""
+    :func:`sft_weights`; the log-probs come from the fused head (``-linear_logprobs``: no [N, V] tensor).
+    ``model``: a runner (``fastgrpo.distributed.runner``), or a module run by a default one."""
+    model = as_runner(model)
     plan = plan_step(prompt_ids, completion_ids, max_tokens_per_microbatch, device=device, pad_token_id=pad_token_id,
-                     buckets=getattr(model, "token_buckets", ()))
+                     buckets=model.token_buckets)
     mbs = plan.mbs
     weights = _sft_token_weights(completion_ids, normalization, num_sequences=plan.num_sequences,
                                  num_tokens=plan.num_tokens, device=device)  # [N], as sft_weights

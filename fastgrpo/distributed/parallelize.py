@@ -1,17 +1,21 @@
-"""Apply training parallelism to a loaded Hugging Face causal LM: activation checkpointing, compile, FSDP2.
+"""Apply training parallelism to a loaded Hugging Face causal LM: master weights, activation checkpointing, FSDP2.
 
 The model code knows nothing of this; ``parallelize_model`` changes the module in place, in a fixed order:
 
-1. activation checkpointing per transformer block (wraps the block),
-2. ``torch.compile`` per block (compiles the wrapped block, so recomputation is compiled too; ``fullgraph=True``,
-   ``dynamic=False``: one graph per token bucket, attention as the registered ``varlen_op``),
-3. FSDP2 ``fully_shard`` per block, then on the root module (several ranks; one GPU: ``parallel.one_gpu``).
-   A plain module on one GPU gets ``model.autocast_dtype`` instead: its forwards run under autocast; or with
-   ``parallel.master_weights`` it is cast to ``param_dtype`` and runs without autocast (the optimizer keeps float32
-   masters: ``fastgrpo.update.master_weights``).
+1. with ``parallel.master_weights``, a cast to ``param_dtype`` (the optimizer keeps float32 masters:
+   ``fastgrpo.update.master_weights``),
+2. activation checkpointing per transformer block (wraps the block),
+3. the attention switch to the registered ``varlen_op`` where compiled blocks or CUDA graphs cannot run the
+   configured backend,
+4. FSDP2 ``fully_shard`` per block, then on the root module (several ranks; one GPU: ``parallel.one_gpu``).
 
-The order matters: FSDP's all-gather / reduce-scatter hooks must sit *outside* the checkpointed and compiled
-region, so that recomputation in backward does not all-gather again and dynamo does not trace collectives.
+Compiled blocks (:func:`compiled_block_forwards`: ``fullgraph=True``, ``dynamic=False``, one graph per token bucket)
+and everything else a packed pass needs (buckets, the autocast dtype of a plain module on one GPU, graphs, the
+FSDP2 hooks around the head) live in :class:`fastgrpo.distributed.runner.ModelRunner`, built by
+:func:`fastgrpo.distributed.runner.prepare_model`: the module itself carries no trainer state.
+
+FSDP's all-gather / reduce-scatter hooks sit on each block's call, *outside* its checkpointed and compiled forward,
+so that recomputation in backward does not all-gather again and dynamo does not trace collectives.
 
 Blocks are found generically as ``model.get_decoder().layers`` (``model.model.layers`` for Qwen2, Llama,
 Mistral, Qwen3, ...). Everything else (embedding, final norm, lm_head) belongs to the root FSDP unit. That is
@@ -20,25 +24,18 @@ also what keeps tied embeddings right: ``embed_tokens.weight`` and ``lm_head.wei
 keep pointing at the same (sharded, later gathered) tensor. Sharding the embedding as its own unit would
 split the tie.
 
-The loss runs on the lm_head weight outside ``model.forward``; ``parallelize_model`` therefore attaches
-``model.packed_forward(mb, head)`` (``fastgrpo.models.loading.packed_head_forward``) and registers it as an FSDP
-forward method, so the root unit's parameters are gathered while the head uses them and their gradients are
-reduce-scattered afterwards. Call ``model.packed_forward`` for every packed pass (policy, old-logprob, ref).
-
 With activation checkpointing the wrapper adds ``_checkpoint_wrapped_module.`` to ``named_parameters()``;
 ``state_dict()`` keys (and torch.distributed.checkpoint) strip it, so read weights by state-dict key.
 """
 
 from __future__ import annotations
 
-import types
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from fastgrpo.config import ParallelConfig
-from fastgrpo.models.loading import packed_head_forward
-from fastgrpo.models.packing import AUTO_BUCKETS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -82,7 +79,9 @@ MAX_BLOCK_GRAPHS = 64
 """Compiled graphs one block's forward may have (dynamo's recompile limit is raised to it): row shapes of a run."""
 
 
-def _apply_compile(model: nn.Module, blocks: nn.ModuleList, mode: str | None = None) -> None:
+def compiled_block_forwards(blocks: list[nn.Module], mode: str | None = None) -> list[Callable]:
+    """Each block's forward compiled (``fullgraph=True, dynamic=False``, inductor ``mode``), for a runner to put in
+    place during its packed passes only (``fastgrpo.distributed.runner``)."""
     # Per block, not the whole model: every block has the same graph, so one compilation serves all (dynamo passes
     # the parameters as inputs). fullgraph: a graph break would split the block and bring back the host dispatch
     # compiling is there to remove. dynamic=False: the packed rows are padded to a few token buckets
@@ -93,8 +92,7 @@ def _apply_compile(model: nn.Module, blocks: nn.ModuleList, mode: str | None = N
     config = torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, limit, max(getattr(config, limit), MAX_BLOCK_GRAPHS))
-    for block in blocks:
-        block.compile(fullgraph=True, dynamic=False, mode=mode)
+    return [torch.compile(block.forward, fullgraph=True, dynamic=False, mode=mode) for block in blocks]
 
 
 def _sum_gradient_reduction(module: nn.Module) -> None:
@@ -181,12 +179,12 @@ def autocast_dtype(cfg: ParallelConfig, device: torch.device | str, world_size: 
 
 def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.device | str,
                       world_size: int) -> nn.Module:
-    """Apply activation checkpointing, compile and FSDP2 per ``cfg``; return the same (modified) model.
+    """Apply master weights, activation checkpointing, the varlen switch and FSDP2 per ``cfg`` (module doc); return
+    the same (modified) model, which carries no trainer state: packed passes go through a
+    :class:`fastgrpo.distributed.runner.ModelRunner` (``prepare_model`` builds both).
 
-    FSDP2 is applied per :func:`uses_fsdp` (a process group must exist); with one CPU process the model stays a
+    FSDP2 applies per :func:`uses_fsdp` (a process group must exist); with one CPU process the model stays a
     plain module (no collectives, no DTensors) but goes through the same steps otherwise.
-    Afterwards ``model.packed_forward(mb, head)`` runs a packed micro-batch and the head (see module doc), and
-    ``model.token_buckets`` says what the step plan pads packed rows to (``plan_step(buckets=...)``).
     Gradients are SUMMED over ranks (``_sum_gradient_reduction``): weight tokens by global normalisers.
     """
     device = torch.device(device)
@@ -203,10 +201,6 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
     if cfg.activation_checkpointing:
         _apply_activation_checkpointing(blocks)
     _use_varlen_op(model, cfg)
-    if cfg.compile:
-        # parallel.cuda_graphs on CUDA: inductor's CUDA graph trees (per shape, one pool, warm-up) on the compiled
-        # blocks; without compile the update graphs the eager blocks (fastgrpo.update.cuda_graphs)
-        _apply_compile(model, blocks, mode="reduce-overhead" if cfg.cuda_graphs else None)
     if fsdp:
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
@@ -214,14 +208,4 @@ def parallelize_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.de
                              "(fastgrpo.distributed.groups.init_distributed)")
         _apply_fsdp(model, blocks, cfg, device, world_size)
     assert _tied(model) == tied, "parallelize_model must not untie (or tie) the embeddings"
-    # Static shapes: what the step plan pads each packed row to (compiled blocks: one graph per bucket)
-    model.token_buckets = list(cfg.token_buckets) or (AUTO_BUCKETS if cfg.compile or cfg.cuda_graphs else [])
-    # One plain GPU: forwards run under autocast (packed_head_forward, the hf engine), float32 weights as masters.
-    model.autocast_dtype = None if cfg.master_weights else autocast_dtype(cfg, device, world_size)
-    # Bound to this instance so that FSDP's pre/post-forward hooks can wrap it like forward.
-    model.packed_forward = types.MethodType(packed_head_forward, model)
-    if torch.distributed.is_available():  # builds without distributed support have no torch.distributed.fsdp
-        from torch.distributed.fsdp import register_fsdp_forward_method
-
-        register_fsdp_forward_method(model, "packed_forward")  # no-op on a plain module
     return model

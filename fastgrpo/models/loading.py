@@ -290,18 +290,18 @@ def packed_hidden_states(trunk: torch.nn.Module, mb: MicroBatch) -> torch.Tensor
     return hidden.index_select(0, mb.hidden_index)  # [N, H]
 
 
-def packed_head_forward(model: torch.nn.Module, mb: MicroBatch,
-                        head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+def packed_head_forward(model: torch.nn.Module, mb: MicroBatch, head: Callable[[torch.Tensor, torch.Tensor], Any], *,
+                        autocast_dtype: torch.dtype | None = None, head_graphs: Any = None) -> Any:
     """``head(hidden [N, H], lm_head_weight [V, H])`` on one micro-batch of a causal LM; returns what head returns.
 
     The loss (e.g. ``fastgrpo.kernels.linear_grpo_loss``) runs inside this call so that, under FSDP2, the
-    lm_head weight is the gathered full tensor while it is used: ``parallelize_model`` registers this function
-    as an FSDP forward method (``model.packed_forward``). Call ``model.packed_forward(mb, head)`` on a
-    parallelized model and this function directly on a plain one.
+    lm_head weight is the gathered full tensor while it is used: a ``fastgrpo.distributed.runner.ModelRunner``
+    runs this function inside the root unit's FSDP hooks. ``autocast_dtype`` (one plain GPU, float32 weights):
+    the trunk runs under autocast and the head on both operands cast to it. ``head_graphs``
+    (``fastgrpo.update.cuda_graphs.HeadGraphs``): the head replayed from its CUDA graph where it can be.
     """
     trunk, lm_head = get_trunk_and_head(model)  # rejects models whose logits are not hidden @ weight.T
-    dtype = getattr(model, "autocast_dtype", None)  # one plain GPU: float32 masters, compute in bf16
-    graphs = getattr(model, "head_graphs", None)  # parallel.cuda_graphs: fastgrpo.update.cuda_graphs.HeadGraphs
+    dtype, graphs = autocast_dtype, head_graphs
     if dtype is None:
         hidden = packed_hidden_states(trunk, mb)  # [N, H]
     else:

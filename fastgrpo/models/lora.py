@@ -86,20 +86,6 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-class AdapterDisabled:
-    """The reference policy of a LoRA run: ``packed_forward`` of the same (parallelized) model with the adapters
-    switched off, i.e. the base model. Duck-types the ``packed_forward`` that the update's log-prob passes call."""
-
-    def __init__(self, model: nn.Module) -> None:
-        if not is_lora(model):
-            raise TypeError("AdapterDisabled needs a peft-wrapped model (fastgrpo.models.lora.apply_lora)")
-        self.model = model
-
-    def packed_forward(self, mb, head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
-        with adapters_disabled(self.model):
-            return self.model.packed_forward(mb, head)
-
-
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Run ``model`` as its base model: every LoRA layer skips its adapters, and no ``requires_grad`` flag changes.

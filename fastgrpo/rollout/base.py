@@ -29,6 +29,8 @@ class SamplingParams:
     """0 means greedy."""
     top_p: float = 1.0
     """Nucleus threshold."""
+    top_k: int = 0
+    """Sample among the top_k most likely tokens only (before top_p); 0 = all."""
     seed: int | None = None
     """Seed for this call; the same seed and weights give the same completions."""
     logprobs: bool = False
@@ -46,7 +48,8 @@ class Completion:
     finish_reason: str
     """'stop' (EOS or a stop token) or 'length' (hit max_tokens)."""
     logprobs: list[float] | None = None
-    """Sampler log-prob of each token in token_ids (after temperature), when asked for."""
+    """Sampler log-prob of each token in token_ids, when asked for: under the distribution it was drawn from (after
+    temperature, renormalised over the top_k / top_p kept set: fastgrpo.rollout.truncation)."""
 
 
 @dataclass(kw_only=True)
@@ -69,6 +72,8 @@ class EngineSetup:
     """This process's rank."""
     world_size: int = 1
     """Number of ranks."""
+    autocast_dtype: torch.dtype | None = None
+    """The dtype the policy computes in under autocast (its runner's: one plain GPU, float32 weights), or None."""
 
 
 class RolloutEngine(abc.ABC):
@@ -106,6 +111,8 @@ class RolloutEngine(abc.ABC):
             raise ValueError(f"n must be >= 1, got {n}")
         if sampling.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+        if sampling.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = all tokens), got {sampling.top_k}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
 

@@ -53,7 +53,8 @@ from fastgrpo.models.policy_state import is_lora
 from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
 from fastgrpo.rollout.kv_cache import preallocated_kv_cache
 from fastgrpo.rollout.lean_decode import GraphedStep, LeanDecoder, lean_unsupported_reason
-from fastgrpo.runtime.errors import ContextError
+from fastgrpo.rollout.truncation import kept_probs
+from fastgrpo.runtime.errors import ContextError, NonFiniteError
 
 __all__ = ["HFEngine", "sample_next", "sample_rows"]
 
@@ -77,35 +78,25 @@ def _reshard(model: nn.Module) -> None:
             module.reshard()
 
 
-_TRAINER_STATE = ("packed_forward", "head_graphs", "gradient_buffers", "block_graphs")
-"""Attributes the trainer sets on a policy or its modules (``parallelize_model``, ``build_trained``) that its decode
-copy leaves out."""
-
-
-def decode_copy(model: nn.Module) -> tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]] | None:
-    """For a policy with float32 masters that computes under autocast (one plain GPU, ``model.autocast_dtype``): a
-    copy of it in that dtype to decode with, and the (copy, policy) parameter lists that :meth:`HFEngine.sync_from`
-    refreshes it from; None when the engine decodes with the policy itself (CPU, FSDP2, LoRA, bf16 weights).
+def decode_copy(model: nn.Module, autocast_dtype: torch.dtype | None
+                ) -> tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]] | None:
+    """For a policy with float32 masters that computes under autocast in ``autocast_dtype`` (one plain GPU): a copy
+    of it in that dtype to decode with, and the (copy, policy) parameter lists that :meth:`HFEngine.sync_from`
+    refreshes it from; None when the engine decodes with the policy itself (no autocast: CPU, FSDP2, bf16 weights;
+    LoRA).
 
     Decoding reads every weight once per token, so float32 weights would double its memory traffic and rule out
     the bf16 CUDA-graph step; the copy costs 2 bytes per parameter. Buffers (rotary frequencies) are shared, and
-    tied weights stay tied (``deepcopy``'s memo maps each parameter once)."""
-    dtype = getattr(model, "autocast_dtype", None)
+    tied weights stay tied (``deepcopy``'s memo maps each parameter once). The policy is a plain module (what the
+    trainer adds lives in its runner, fastgrpo.distributed.runner), so the copy is the module as it is."""
     params = list(model.parameters())
-    if dtype is None or is_lora(model) or not params or all(p.dtype == dtype for p in params):
+    if autocast_dtype is None or is_lora(model) or not params or all(p.dtype == autocast_dtype for p in params):
         return None
     with torch.no_grad():
-        memo = {id(p): nn.Parameter(p.detach().to(dtype) if p.is_floating_point() else p.detach().clone(),
+        memo = {id(p): nn.Parameter(p.detach().to(autocast_dtype) if p.is_floating_point() else p.detach().clone(),
                                     requires_grad=False) for p in params}
         memo.update({id(b): b for b in model.buffers()})
-        # the trainer's state on the model, not copied: the copy only decodes (its packed forward, the update's CUDA
-        # graphs and gradient buffers: fastgrpo.update.cuda_graphs, whose block dispatch a copied block bypasses)
-        state = [(path, name) for path, m in model.named_modules() for name in _TRAINER_STATE if name in vars(m)]
-        memo.update({id(vars(model.get_submodule(path))[name]): None for path, name in state})
         copy = deepcopy(model, memo)
-    for path, name in state:
-        delattr(copy.get_submodule(path), name)
-    copy.autocast_dtype = None
     copy.eval()
     return copy, [memo[id(p)] for p in params], params
 
@@ -146,32 +137,30 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token of each row; return (tokens [N], sampler log-probs [N] float32).
 
-    logits: [N, V]. temperature == 0 is greedy. top_p keeps the smallest set of most likely tokens whose
-    probability reaches top_p (at least one) and samples among them renormalised.
+    logits: [N, V]. temperature == 0 is greedy. Otherwise the token is drawn from ``softmax(logits / T)`` restricted
+    to the kept set of ``top_k`` and ``top_p`` and renormalised (:mod:`fastgrpo.rollout.truncation`).
 
     Drawing: one uniform number per row, inverted through the cumulative distribution (``sample_rows``);
     ``torch.multinomial`` draws V exponential numbers per row, 0.7 s per step for 64 rows at V=152k on a CPU.
 
-    Reported log-prob: ``log_softmax(logits / T)`` of the chosen token, *not* renormalised over the top-p
-    set. That is the quantity the trainer recomputes (it knows T but not the nucleus), so the two can be
-    compared for the importance-sampling correction. For greedy (T == 0) the log-prob is taken at T = 1.
+    Reported log-prob: ``log q(x)``, the log-prob of the chosen token under the distribution it was drawn from
+    (renormalised over the kept set; vLLM's ``processed_logprobs``), so every engine reports the same number. For
+    greedy (T == 0) it is ``log_softmax(logits)`` of the argmax, untruncated. Non-finite logits (NaN, +inf, or every
+    token at -inf) make it non-finite; :meth:`HFEngine.generate` turns that into an error after the chunk.
     """
     logits = logits.float()
-    greedy = sampling.temperature == 0
-    logp = torch.log_softmax(logits if greedy else logits / sampling.temperature, dim=-1)  # [N, V]
-    if greedy:
+    if sampling.temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)  # [N, V]
         tokens = logits.argmax(dim=-1)
-    else:
-        probs = logp.exp()  # [N, V]
-        u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device)  # [N, 1]
-        if sampling.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            # Drop a token when the mass *before* it already reaches top_p: the top token always stays.
-            drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= sampling.top_p
-            tokens = order.gather(-1, sample_rows(sorted_p.masked_fill_(drop, 0.0), u)[:, None]).squeeze(-1)
-        else:
-            tokens = sample_rows(probs, u)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / sampling.temperature, dim=-1)  # [N, V]
+    u = torch.rand(logp.shape[0], 1, generator=generator, device=logp.device)  # [N, 1]
+    probs, order = kept_probs(logp, sampling.top_k, sampling.top_p)  # [N, K], [N, K] or None
+    drawn = sample_rows(probs, u)  # [N]
+    if order is None:
+        return drawn, logp.gather(-1, drawn[:, None]).squeeze(-1)
+    tokens = order.gather(-1, drawn[:, None]).squeeze(-1)  # [N]
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1) - probs.sum(dim=-1).log()
 
 
 _SAMPLE_BLOCK = 512
@@ -193,12 +182,15 @@ def sample_rows(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     blocks = weights.view(n, nb, _SAMPLE_BLOCK)  # [N, nb, B]
     block_cum = blocks.sum(-1).cumsum(-1)  # [N, nb]
     target = _below(u * block_cum[:, -1:], block_cum[:, -1:])  # [N, 1]
-    b = torch.searchsorted(block_cum, target, right=True)  # [N, 1] block whose cumulative weight exceeds target
+    # [N, 1] block whose cumulative weight exceeds target; a row whose weights are NaN or sum to 0 or inf (non-finite
+    # logits) searches past its last block: the clamps keep its index in the row (the draw is meaningless there, and
+    # the caller sees the non-finite log-prob and raises)
+    b = torch.searchsorted(block_cum, target, right=True).clamp_(max=nb - 1)
     before = torch.where(b > 0, block_cum.gather(1, (b - 1).clamp(min=0)), 0.0)  # [N, 1]
     # Indexing, not gather with an expanded index: the same values, 2-3x faster on a CPU.
     inner_cum = blocks[torch.arange(n, device=weights.device), b[:, 0]].cumsum(-1)  # [N, B]
     j = torch.searchsorted(inner_cum, _below(target - before, inner_cum[:, -1:]), right=True)  # [N, 1]
-    return (b * _SAMPLE_BLOCK + j).squeeze(1)
+    return (b * _SAMPLE_BLOCK + j).squeeze(1).clamp_(max=v - 1)
 
 
 def _below(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -232,15 +224,20 @@ class HFEngine(RolloutEngine):
     collective. FSDP2's gathered parameters are freed after each call.
     """
 
-    def __init__(self, model: nn.Module, tokenizer, options: HFRolloutConfig | None = None, **values):
+    def __init__(self, model: nn.Module, tokenizer, options: HFRolloutConfig | None = None, *,
+                 autocast_dtype: torch.dtype | None = None, **values):
         """``options``: the ``rollout.hf`` section; keyword ``values`` (``batch_size=8``, ``decode="lean"``) replace
-        its fields. Checked by the section's own checks (ValueError naming ``rollout.hf.<field>``)."""
+        its fields. Checked by the section's own checks (ValueError naming ``rollout.hf.<field>``).
+        ``autocast_dtype``: the dtype the policy computes in under autocast (its runner's, one plain GPU with
+        float32 weights), None for none: the engine decodes with a copy in that dtype, or (LoRA) under autocast."""
         options = check_section(dataclasses.replace(options or HFRolloutConfig(), **values), "rollout.hf")
         self.decode = options.decode
         self.batch_size = options.batch_size
         self.cuda_graph = options.cuda_graph
-        copy = decode_copy(model)  # one plain GPU with float32 masters: decode with a bf16 copy
+        copy = decode_copy(model, autocast_dtype)  # one plain GPU with float32 masters: decode with a bf16 copy
         self.model = model if copy is None else copy[0]
+        # a LoRA policy on one plain GPU decodes itself under autocast; a decode copy is already in that dtype
+        self.autocast_dtype = autocast_dtype if copy is None else None
         self._copy_params, self._policy_params = (None, None) if copy is None else copy[1:]
         self.tokenizer = tokenizer
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -256,7 +253,7 @@ class HFEngine(RolloutEngine):
 
     @classmethod
     def from_setup(cls, setup: EngineSetup) -> "HFEngine":
-        return cls(setup.model, setup.tokenizer, setup.cfg.hf)
+        return cls(setup.model, setup.tokenizer, setup.cfg.hf, autocast_dtype=setup.autocast_dtype)
 
     def sync_from(self, model: nn.Module) -> bool:
         """Refresh the decode copy from the policy (one multi-tensor copy); False when the engine decodes with the
@@ -289,14 +286,14 @@ class HFEngine(RolloutEngine):
         self.model.eval()
         lean = self.lean_decoder()
         flat: list[Completion] = []
-        dtype = getattr(self.model, "autocast_dtype", None)  # a LoRA policy on one plain GPU decodes under autocast
+        dtype = self.autocast_dtype
         amp = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         try:
             with torch.no_grad(), amp, _decoding_attention(self.model):
                 for chunk, start in enumerate(range(0, len(seqs), self.batch_size)):
                     generator = _chunk_generator(sampling.seed, chunk, device)
                     flat += self._generate_chunk(seqs[start:start + self.batch_size], sampling, generator, device,
-                                                 lean)
+                                                 lean, first_row=start, n=n)
         finally:
             self.model.train(was_training)
             _reshard(self.model)
@@ -359,7 +356,9 @@ class HFEngine(RolloutEngine):
         return out.logits[:, -1], out.past_key_values
 
     def _generate_chunk(self, seqs: list[list[int]], sampling: SamplingParams, generator: torch.Generator,
-                        device: torch.device, lean: LeanDecoder | None) -> list[Completion]:
+                        device: torch.device, lean: LeanDecoder | None, *, first_row: int = 0,
+                        n: int = 1) -> list[Completion]:
+        """The completions of ``seqs`` (sequences ``first_row ...`` of a call with ``n`` samples per prompt)."""
         N, P = len(seqs), max(len(s) for s in seqs)
         ids = torch.full((N, P), self.pad_id, dtype=torch.long)  # [N, P] left-padded
         mask = torch.zeros((N, P), dtype=torch.long)  # [N, P]
@@ -374,7 +373,7 @@ class HFEngine(RolloutEngine):
         eos = torch.tensor(self.eos_ids, device=device)
         check_every = finish_check_every(device)
 
-        tokens, logps = [], []  # T tensors of [N]
+        tokens, logps, peaks = [], [], []  # T tensors of [N]
         finished = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
         cache = preallocated_kv_cache(self.model, max_len)  # None: transformers' default cache
         logits, cache = self._forward_last(ids, full_mask[:, :P], pos, cache)
@@ -388,6 +387,7 @@ class HFEngine(RolloutEngine):
                 graphed = GraphedStep(lean, N, device)
                 slots = torch.arange(P, max_len, device=device)  # [max_tokens]: step t writes slot P + t
         for step in range(sampling.max_tokens):
+            peaks.append(logits.amax(dim=-1))  # [N] NaN, +inf or -inf exactly when the row's logits say which
             tok, logp = sample_next(logits, sampling, generator)  # [N], [N]
             tok = tok.masked_fill(finished, self.pad_id)  # rows already done emit padding, stripped below
             tokens.append(tok)
@@ -402,7 +402,12 @@ class HFEngine(RolloutEngine):
             else:
                 logits, cache = self._forward_last(tok[:, None], full_mask[:, :P + step + 1], next_pos, cache)
             next_pos = next_pos + 1
-        return self._to_completions(torch.stack(tokens, 1), torch.stack(logps, 1), eos, sampling.logprobs)
+        tokens, logps = torch.stack(tokens, 1), torch.stack(logps, 1)  # [N, T] each
+        completions, bad = self._to_completions(tokens, logps, eos, sampling.logprobs)
+        if bad is not None:
+            row, step = bad
+            raise NonFiniteError(_non_finite_message(float(peaks[step][row]), step, first_row + row, n))
+        return completions
 
     def _all_finished(self, finished: torch.Tensor) -> bool:
         """True when every sequence on every rank is done (FSDP2 forwards are collectives: stop together)."""
@@ -412,16 +417,36 @@ class HFEngine(RolloutEngine):
         return bool(done.item())
 
     def _to_completions(self, tokens: torch.Tensor, logps: torch.Tensor, eos: torch.Tensor,
-                        want_logprobs: bool) -> list[Completion]:
-        """tokens, logps: [N, T] -> completions cut after the first EOS (kept), padding dropped."""
+                        want_logprobs: bool) -> tuple[list[Completion], tuple[int, int] | None]:
+        """tokens, logps: [N, T] -> completions cut after the first EOS (kept), padding dropped; and the (row, step)
+        of the first token drawn from non-finite logits (its log-prob is not finite: a drawn token has probability >
+        0), None when there is none. The check rides on the host read of the EOS positions (no sync of its own)."""
         is_eos = torch.isin(tokens, eos)  # [N, T]
         T = tokens.shape[1]
         first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), T)  # [N] index of the first EOS, or T
-        tokens, logps, first = tokens.tolist(), logps.tolist(), first.tolist()
+        live = torch.arange(T, device=tokens.device) <= first[:, None]  # [N, T] the tokens a completion keeps
+        bad = ~torch.isfinite(logps) & live  # [N, T]
+        bad_step = torch.where(bad.any(-1), bad.int().argmax(-1), -1)  # [N] first bad step of each row, or -1
+        first, bad_step = torch.stack((first, bad_step)).tolist()
+        tokens, logps = tokens.tolist(), logps.tolist()
+        bad_rows = [i for i, t in enumerate(bad_step) if t >= 0]
+        if bad_rows:
+            row = min(bad_rows, key=lambda i: (bad_step[i], i))  # the earliest step, then the first row
+            return [], (row, bad_step[row])
         kept = [row[:f + 1] for row, f in zip(tokens, first)]
         texts = self.tokenizer.batch_decode(kept, skip_special_tokens=True)
         return [
             Completion(token_ids=ids, text=text, finish_reason="stop" if f < T else "length",
                        logprobs=lp[:f + 1] if want_logprobs else None)
             for ids, text, f, lp in zip(kept, texts, first, logps)
-        ]
+        ], None
+
+
+def _non_finite_message(peak: float, step: int, row: int, n: int) -> str:
+    """The one-line error for a row whose logits at decode ``step`` had ``peak`` (their maximum) non-finite."""
+    what = ("NaN" if peak != peak else "+inf" if peak == float("inf") else
+            "-inf everywhere (every token masked)" if peak == float("-inf") else
+            f"finite (the largest {peak:.3g}) but not once divided by the temperature")
+    return (f"rollout: the policy's logits were not finite at decode step {step} of sequence {row} (prompt {row // n}, "
+            f"sample {row % n}): {what}; the weights or the forward overflowed: lower optim.lr, keep "
+            "optim.max_grad_norm > 0, or compute in float32 (model.dtype, parallel.param_dtype)")

@@ -19,7 +19,8 @@ from fastgrpo.config import TrainConfig
 from fastgrpo.data import build_datasets, render_prompt
 from fastgrpo.data.sampler import PromptSampler
 from fastgrpo.distributed import groups as fdist
-from fastgrpo.distributed.parallelize import autocast_dtype, parallelize_model, uses_fsdp
+from fastgrpo.distributed.parallelize import autocast_dtype, uses_fsdp
+from fastgrpo.distributed.runner import AdapterDisabled, prepare_model
 from fastgrpo.environments import ENV_REWARDS_COLUMN, build_environment
 from fastgrpo.environments.trajectory import (ObservationRenderer, ToolsTemplate, TrajectoryEngine,
                                               collect_trajectories)
@@ -27,8 +28,9 @@ from fastgrpo.algorithms.episodes import Episodes, collect_episodes, record_metr
 from fastgrpo.trainers import preflight
 from fastgrpo.trainers.evaluate import evaluate
 from fastgrpo.trainers.loop import TrainingLoop, build_scheduler, closes_on_error  # noqa: F401 (public here too)
-from fastgrpo.runtime.metrics import StepMetrics, Timer, add_throughput, device_peak_flops, update_flops
-from fastgrpo.models.lora import AdapterDisabled
+from fastgrpo.runtime.metrics import StepMetrics, Timer, add_throughput
+from fastgrpo.runtime.peaks import device_peak_flops
+from fastgrpo.runtime.step_cost import update_flops
 from fastgrpo.update.bundle import TrainedModel
 from fastgrpo.update.microbatch import auto_microbatch_tokens
 from fastgrpo.models.loading import load_model, load_tokenizer, resolve_model_path
@@ -79,10 +81,10 @@ class Trainer(TrainingLoop):
         self._init_model(total_updates=self.algorithm.policy_updates(cfg))
         self.ref_model = None
         if self.algorithm.needs_reference(cfg) and cfg.model.lora.enabled:  # the base: the same module, adapters off
-            self.ref_model = AdapterDisabled(self.model)
+            self.ref_model = AdapterDisabled(self.runner)
         elif self.algorithm.needs_reference(cfg):  # the frozen reference, sharded the same way, forward only
             ref = load_model(cfg.model, device=self.device, seed=cfg.seed).eval().requires_grad_(False)
-            self.ref_model = parallelize_model(ref, cfg.parallel, device=self.device, world_size=self.world_size)
+            self.ref_model = prepare_model(ref, cfg.parallel, device=self.device, world_size=self.world_size)
 
         self.peak_flops = device_peak_flops(self.device)
         self._microbatch_tokens: int | None = None  # grpo.max_tokens_per_microbatch null on CUDA: sized at the 1st update
@@ -92,7 +94,7 @@ class Trainer(TrainingLoop):
             engine = build_engine(cfg.rollout.engine, EngineSetup(
                 cfg=cfg.rollout, model=self.model, tokenizer=self.tokenizer, seed=cfg.seed, rank=self.rank,
                 world_size=self.world_size, model_path=lambda: resolve_model_path(cfg.model, seed=cfg.seed),
-                prompt_token_bound=self.prompt_token_bound))
+                prompt_token_bound=self.prompt_token_bound, autocast_dtype=self.runner.autocast_dtype))
         self.engine = engine
         self.engine.sync_from(self.model)  # the policy may differ from the files the engine loaded (resume)
         self.async_rollout: AsyncRollout | None = None
@@ -296,7 +298,7 @@ class Trainer(TrainingLoop):
     def _sampling(self, seed: int) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(max_tokens=r.max_completion_length, temperature=r.temperature, top_p=r.top_p,
-                              seed=seed, logprobs=r.importance_sampling_cap is not None)
+                              top_k=r.top_k, seed=seed, logprobs=r.importance_sampling_cap is not None)
 
     def _max_over_ranks(self, values: list[int]) -> list[int]:
         """Elementwise maximum of a few ints over ranks (multi-turn rollouts keep the ranks' generate calls in step)."""
@@ -309,7 +311,7 @@ class Trainer(TrainingLoop):
     def policy_update(self, ep: Episodes, metrics: StepMetrics) -> None:
         """This step's optimizer updates: the algorithm's ``update`` (GRPO's
         :func:`fastgrpo.algorithms.grpo.grpo_update`, PPO's :func:`fastgrpo.algorithms.ppo.ppo_update`)."""
-        policy = TrainedModel(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, guard=self.guard)
+        policy = TrainedModel(runner=self.runner, optimizer=self.optimizer, scheduler=self.scheduler, guard=self.guard)
         self.algorithm.update(ep, StepInputs(
             cfg=self.cfg, policy=policy, extras=self.extras, ref_model=self.ref_model, metrics=metrics,
             device=self.device, step=self.step, pad_token_id=self.tokenizer.pad_token_id or 0,

@@ -26,7 +26,8 @@ from fastgrpo.distributed import groups as fdist
 from fastgrpo.trainers import preflight
 from fastgrpo.config import to_dict
 from fastgrpo.runtime.errors import Preempted
-from fastgrpo.runtime.metrics import RunLog, drop_records_after
+from fastgrpo.runtime.run_log import RunLog
+from fastgrpo.runtime.sinks import drop_records_after
 from fastgrpo.models.lora import apply_lora, check_peft_available
 from fastgrpo.runtime.memory import set_malloc_mmap_threshold
 from fastgrpo.models.loading import check_plain_head, load_model, resolve_model_path
@@ -162,6 +163,7 @@ class TrainingLoop:
         # on finite gradients only): the same bundle as any other trained model (PPO's critic)
         policy = build_trained(model, parallel=cfg.parallel, optim=cfg.optim, device=self.device,
                                world_size=self.world_size, total_steps=total_updates)
+        self.runner = policy.runner  # what runs the policy's packed passes; self.model is its plain module
         self.model, self.optimizer, self.scheduler, self.guard = (policy.model, policy.optimizer, policy.scheduler,
                                                                   policy.guard)
         self.total_updates = total_updates

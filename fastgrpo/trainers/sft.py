@@ -102,7 +102,7 @@ class SFTTrainer(TrainingLoop):
         self._fault_point()
         s = self.cfg.sft
         with Timer() as t:
-            sft_update(self.model, [p for p, _ in batch], [c for _, c in batch], normalization=s.normalization,
+            sft_update(self.runner, [p for p, _ in batch], [c for _, c in batch], normalization=s.normalization,
                        max_tokens_per_microbatch=s.max_tokens_per_microbatch, head_backend=s.head_backend,
                        optimizer=self.optimizer, scheduler=self.scheduler, max_grad_norm=self.cfg.optim.max_grad_norm,
                        metrics=metrics, device=self.device, pad_token_id=self.tokenizer.pad_token_id or 0,
@@ -129,11 +129,11 @@ class SFTTrainer(TrainingLoop):
         mbs = plan_packed([p for p, _ in ids], [c for _, c in ids], self.cfg.sft.max_tokens_per_microbatch,
                           device=self.device, pad_token_id=self.tokenizer.pad_token_id or 0)
         self.model.eval()
-        lp = packed_logprobs(self.model, mbs, int(weights.numel()), temperature=1.0,
+        lp = packed_logprobs(self.runner, mbs, int(weights.numel()), temperature=1.0,
                              backend=resolve_backend(self.cfg.sft.head_backend, self.device, needs_grad=False))
         out = {"nll": float(-(lp * weights).sum()) * self.world_size}  # the "avg" reduction below divides again
         if self.reward_fn is not None:
-            engine = HFEngine(self.model, self.tokenizer)
+            engine = HFEngine(self.model, self.tokenizer, autocast_dtype=self.runner.autocast_dtype)
             e = self.cfg.eval
             max_tokens = max(len(c) for _, c in ids) + 16
             if engine.max_positions:  # the pairs fit (check_context); the 16 tokens of slack must too

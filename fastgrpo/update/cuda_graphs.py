@@ -1,7 +1,7 @@
 """CUDA graphs of the decoder blocks per token bucket (``parallel.cuda_graphs``, one plain GPU, eager blocks).
 
-Why: on a GPU a small model's update is bound by the host's dispatch (issue 38: ~1,000 launches per micro-batch
-at 10% of the card's bf16 rate). A CUDA graph replays a captured sequence of kernels with one launch. Capture needs
+Why: on a GPU a small model's update is bound by the host's dispatch (~1,000 launches per micro-batch at a tenth
+of the card's bf16 rate). A CUDA graph replays a captured sequence of kernels with one launch. Capture needs
 static shapes and no host sync: the packed rows are padded to token buckets (``parallel.token_buckets``,
 :mod:`fastgrpo.models.packing`) and the attention is one varlen op on a boundary tensor of fixed size
 (``varlen_op``: on CUDA in bf16, torch's FlashAttention varlen op).
@@ -17,17 +17,18 @@ micro-batch's forward and backward run before the next one's, so no two shapes' 
 ``parallel.token_buckets`` left empty the buckets are the micro-batch budget's 1/4, 1/2 and 1 ('auto', resolved by
 the step plan once the budget is known) and any row length is taken. A row whose length is no listed bucket (a
 sequence longer than every bucket), a shape past ``max_shapes`` (8: each keeps its own activations and gradient
-buffers), a forward without gradients (the log-prob passes) and a call on another device run the block eagerly. Each block's ``forward`` is replaced on the instance, so
-parameter names (checkpoints, exports) do not change. :attr:`BlockGraphs.captures` / ``replays`` / ``eager_calls``
-count what happened (``benchmarks/bench_update_variants.py`` reports them); ``graph_blocks`` leaves the object on
-the blocks' ``ModuleList`` as ``block_graphs``.
+buffers), a forward without gradients (the log-prob passes) and a call on another device run the block eagerly.
+:meth:`BlockGraphs.block_forwards` are the forwards that a :class:`fastgrpo.distributed.runner.ModelRunner` puts in
+place of the blocks' own during its packed passes only, so parameter names (checkpoints, exports) do not change and
+decoding runs the plain blocks. :attr:`BlockGraphs.captures` / ``replays`` / ``eager_calls`` count what happened
+(``benchmarks/bench_update_variants.py`` reports them).
 
 Under autocast (float32 weights on one plain GPU) the capture runs with autocast's weight-cast cache off, as capture
 requires: the graphs then cast the (updated in place) float32 weights themselves at every replay.
 
 With ``parallel.compile`` too, the blocks are compiled with ``mode="reduce-overhead"`` instead (inductor's CUDA
 graph trees: the same per-shape capture, warm-up and shared pool, on the compiled kernels); see
-``fastgrpo.distributed.parallelize``.
+``fastgrpo.distributed.runner.prepare_model``.
 
 The head loss (:class:`HeadGraphs`, ``parallel.cuda_graphs_head``, on by default with ``cuda_graphs``): a
 :class:`fastgrpo.update.head.TokenHead` (the GRPO / PPO policy loss, SFT's) runs its ``compute`` on the micro-batch's
@@ -42,13 +43,12 @@ H = 896), so the count is capped.
 
 Not graphed: the embedding, the final norm, the gather of the target rows, and the optimizer step.
 
-Gradients (:class:`GradientBuffers`, installed by ``build_trained`` with ``cuda_graphs``): a graphed backward hands
-autograd its *static* gradient buffers, and autograd makes the first one a parameter's ``.grad`` outright (it
-"steals" a gradient nobody else seems to hold), so the next replay of that graph overwrites the ``.grad`` before
-adding to it: two micro-batches of one shape in an update gave twice the second one's gradient instead of the sum
-(pytorch/pytorch#181723, open; the blocks' graphs had it until 2026-11-27, in the H200 figures at 64 sequences, where
-4 micro-batches share 2 shapes). Every trainable parameter therefore gets a zeroed ``.grad`` buffer of its own
-before an update's first backward, which autograd adds into in place and never replaces.
+Gradients (:class:`GradientBuffers`, held by the runner that ``build_trained`` builds with ``cuda_graphs``): a
+graphed backward hands autograd its *static* gradient buffers, and autograd makes the first one a parameter's
+``.grad`` outright (it "steals" a gradient nobody else seems to hold), so the next replay of that graph would
+overwrite the ``.grad`` before adding to it: two micro-batches of one shape would give twice the second one's
+gradient instead of the sum (pytorch/pytorch#181723). Every trainable parameter therefore gets a zeroed ``.grad``
+buffer of its own before an update's first backward, which autograd adds into in place and never replaces.
 
 Needs a GPU: tests/test_cuda_graphs.py skips without one; ``make bench-gpu`` measures it.
 """
@@ -56,7 +56,7 @@ Needs a GPU: tests/test_cuda_graphs.py skips without one; ``make bench-gpu`` mea
 from __future__ import annotations
 
 import contextlib
-import types
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -188,22 +188,17 @@ class BlockGraphs:
         self.eager_calls += 1
         return self.forwards[index](*args, **kwargs)
 
+    def block_forwards(self) -> list[Callable]:
+        """Block i's forward through :meth:`run` (graph or eager), one per block, for a runner to put in place."""
+        return [functools.partial(self.run, i) for i in range(len(self.blocks))]
 
-def graph_blocks(blocks: nn.ModuleList, buckets: Sequence[int] | None, *, warmup_iters: int = 3,
+
+def graph_blocks(blocks: Sequence[nn.Module], buckets: Sequence[int] | None, *, warmup_iters: int = 3,
                  max_shapes: int = 8) -> BlockGraphs:
-    """Route every block's forward through a :class:`BlockGraphs` over ``buckets`` (None or empty: any row length,
-    at most ``max_shapes`` shapes; also left on ``blocks`` as ``block_graphs``). ValueError without CUDA."""
+    """A :class:`BlockGraphs` of ``blocks`` over ``buckets`` (None or empty: any row length, at most ``max_shapes``
+    shapes); its :meth:`~BlockGraphs.block_forwards` go to the model's runner. ValueError without CUDA."""
     _require_cuda()
-    graphs = BlockGraphs(blocks, buckets or None, warmup_iters=warmup_iters, max_shapes=max_shapes)
-    for i, block in enumerate(graphs.blocks):
-        def forward(self, hidden_states, *args, _i=i, **kwargs):
-            if graphs.blocks[_i] is not self:  # a copy of the block (the hf engine's decode copy): its own forward
-                return type(self).forward(self, hidden_states, *args, **kwargs)
-            return graphs.run(_i, hidden_states, *args, **kwargs)
-
-        block.forward = types.MethodType(forward, block)
-    blocks.block_graphs = graphs
-    return graphs
+    return BlockGraphs(blocks, buckets or None, warmup_iters=warmup_iters, max_shapes=max_shapes)
 
 
 class _HeadCall(nn.Module):
@@ -305,13 +300,11 @@ class HeadGraphs:
         return graphed, call
 
 
-def graph_head(model: nn.Module, lm_head: nn.Module, *, warmup_iters: int = 3, max_shapes: int = 8) -> HeadGraphs:
-    """Route ``model``'s TokenHead losses through a :class:`HeadGraphs` (left on the model as ``head_graphs``,
-    which ``packed_head_forward`` consults). ValueError without CUDA."""
+def graph_head(lm_head: nn.Module, *, warmup_iters: int = 3, max_shapes: int = 8) -> HeadGraphs:
+    """A :class:`HeadGraphs` of the TokenHead losses on ``lm_head``'s weight, for the model's runner (which hands it
+    to ``packed_head_forward``). ValueError without CUDA."""
     _require_cuda()
-    graphs = HeadGraphs(lm_head, warmup_iters=warmup_iters, max_shapes=max_shapes)
-    model.head_graphs = graphs
-    return graphs
+    return HeadGraphs(lm_head, warmup_iters=warmup_iters, max_shapes=max_shapes)
 
 
 class GradientBuffers:

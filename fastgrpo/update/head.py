@@ -69,7 +69,7 @@ class TokenHead:
         return self.compute(hidden, weight, **self.gather(mb))
 
     def bind(self, mb) -> "BoundHead":
-        """The head of one micro-batch, as ``model.packed_forward`` takes it: ``fn(hidden, weight)``."""
+        """The head of one micro-batch, as a runner's ``packed_forward`` takes it: ``fn(hidden, weight)``."""
         return BoundHead(self, mb)
 
 

@@ -8,7 +8,7 @@ contiguous), n target tokens of one micro-batch, H hidden size, V vocabulary siz
     plan_step          sequences -> micro-batches (every rank gets the same count: FSDP collectives per forward) and
                        the step's totals over ranks, in one collective and one host read
     packed_logprobs    no-grad log-probs [N] of the target tokens (old / reference passes)
-    optimizer_update   zero grads -> per micro-batch: model.packed_forward(mb, head_loss) -> backward -> clip ->
+    optimizer_update   zero grads -> per micro-batch: runner.packed_forward(mb, head_loss) -> backward -> clip ->
                        optimizer step; any token loss whose gradient sums over micro-batches (GRPO, PPO, SFT, ...)
 
 The trainer, the golden test and the FSDP test all call these functions, so "1 process equals 2 ranks" and the
@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from fastgrpo.distributed import groups as fdist
+from fastgrpo.distributed.runner import ModelRunner, as_runner
 from fastgrpo.kernels import linear_logprobs
 from fastgrpo.models.packing import MicroBatch, pack, plan_microbatches, resolve_buckets, split_to_count
 from fastgrpo.runtime.metrics import StepMetrics
@@ -87,8 +88,8 @@ def plan_step(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_
               buckets: Sequence[int] | str = ()) -> StepPlan:
     """First-fit-decreasing micro-batches under ``max_tokens``, split or padded to the same count on every rank, and
     the global number of sequences and of ``counted_tokens`` (default: every completion token of this rank), all
-    from one collective. ``buckets``: the token buckets each row is padded to (``model.token_buckets``, set by
-    ``parallelize_model``; 'auto' resolves against ``max_tokens``); () = no padding. A padded row's shapes are
+    from one collective. ``buckets``: the token buckets each row is padded to (the runner's ``token_buckets``, set by
+    ``prepare_model``; 'auto' resolves against ``max_tokens``); () = no padding. A padded row's shapes are
     kept to a few values, each one compiled graph or one set of CUDA graphs: its ``max_seqlen`` is the step's
     longest sequence (over all ranks) rounded up to a power of two (at least ``MIN_PADDED_SEQLEN``; at most the
     row's bucket), its ``cu_seqlens`` the power of two >= the entries it uses (:func:`_fewer_boundaries`)."""
@@ -124,7 +125,7 @@ def _fewer_boundaries(mb: MicroBatch, buckets: Sequence[int]) -> MicroBatch:
     and its ``max_seqlen`` to the bucket where the step's is longer (no sequence of the row can be).
 
     Why: the varlen kernels launch a block per (sequence slot, ``max_seqlen`` tile, head), empty slots included;
-    at a bucket of 8192 tokens and ``max_seqlen`` the bucket (the first H100 run of issue 38) that was ~3.7M blocks
+    at a bucket of 8192 tokens and ``max_seqlen`` the bucket (an H100 run of the CUDA-graphed update) that was ~3.7M blocks
     per attention kernel, most of them returning at once: the likely cause of that run's CUDA-graphed update taking
     4x eager's time. A power of two keeps the boundary tensor to a few shapes per bucket (one graph each); the entries cut are all
     repeats of the last (empty segments), so the row's segments do not change."""
@@ -142,17 +143,20 @@ def plan_packed(prompt_ids: list[list[int]], completion_ids: list[list[int]], ma
 
 
 @torch.no_grad()
-def packed_logprobs(model: torch.nn.Module, mbs: list[MicroBatch], num_tokens: int, *, temperature: float,
-                    backend: str, with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs [N] float32 of the target tokens under ``model`` (no [N, V] tensor); with
-    ``with_entropy`` also the policy's entropy [N] at each of those positions."""
+def packed_logprobs(model: ModelRunner | torch.nn.Module, mbs: list[MicroBatch], num_tokens: int, *,
+                    temperature: float, backend: str,
+                    with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs [N] float32 of the target tokens under ``model`` (a runner, or a module run by a default
+    one: :func:`fastgrpo.distributed.runner.as_runner`; no [N, V] tensor); with ``with_entropy`` also the policy's
+    entropy [N] at each of those positions."""
+    runner = as_runner(model)
     device = mbs[0].targets.device if mbs else "cpu"
     out = torch.zeros(num_tokens, dtype=torch.float32, device=device)
     ent = torch.zeros(num_tokens, dtype=torch.float32, device=device) if with_entropy else None
     for mb in mbs:
         # packed_forward runs trunk -> hidden [n, H] of target positions -> fn(hidden, lm_head.weight) inside FSDP's
         # hooks, so sharded (and tied) weights are gathered for the head too.
-        res = model.packed_forward(mb, lambda h, w, mb=mb: linear_logprobs(
+        res = runner.packed_forward(mb, lambda h, w, mb=mb: linear_logprobs(
             h, w, mb.targets, temperature=temperature, backend=backend, return_entropy=with_entropy))
         if with_entropy:
             out[mb.flat_index], ent[mb.flat_index] = res
@@ -161,34 +165,34 @@ def packed_logprobs(model: torch.nn.Module, mbs: list[MicroBatch], num_tokens: i
     return (out, ent) if with_entropy else out
 
 
-def optimizer_update(model: torch.nn.Module, mbs: list[MicroBatch], head_loss: HeadLoss, *,
+def optimizer_update(model: ModelRunner | torch.nn.Module, mbs: list[MicroBatch], head_loss: HeadLoss, *,
                      optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                      max_grad_norm: float, metrics: StepMetrics, loss_divisor: int = 1,
                      guard: NonFiniteGuard | None = None, role: str = "policy") -> bool:
     """One optimizer update: gradients of ``sum over micro-batches of head_loss`` -> clip -> step.
 
-    ``model`` has ``packed_forward`` (``parallelize_model``). Metrics: ``loss`` (the summed loss / loss_divisor: a
+    ``model``: a runner (``fastgrpo.distributed.runner.prepare_model``), or a module run by a default one. Metrics: ``loss`` (the summed loss / loss_divisor: a
     step of several updates logs their mean), every key of the head's stats, ``policy/grad_norm`` (before clipping)
     and ``lr`` (the rate this update used). ``max_grad_norm`` 0 disables clipping. The optimizer steps only on a
     finite gradient norm (:class:`fastgrpo.update.guard.NonFiniteGuard`, which counts the skipped updates); returns
     whether it stepped. The schedule advances either way, so a step's learning rate does not depend on skips.
     Another ``role`` than 'policy' (PPO's 'critic') logs ``<role>/loss``, ``<role>/grad_norm`` and ``<role>/lr``.
     """
+    runner = as_runner(model)
     optimizer.zero_grad(set_to_none=True)
-    buffers = getattr(model, "gradient_buffers", None)  # CUDA graphs: .grad buffers of the parameters' own
-    if buffers is not None:
-        buffers.install()
+    if runner.gradient_buffers is not None:  # CUDA graphs: .grad buffers of the parameters' own
+        runner.gradient_buffers.install()
     for mb in mbs:
         # a TokenHead goes in whole (bound to mb): a model with head graphs replays its compute (update.cuda_graphs)
         head = head_loss.bind(mb) if isinstance(head_loss, TokenHead) else partial(head_loss, mb)
-        loss, stats = model.packed_forward(mb, head)
+        loss, stats = runner.packed_forward(mb, head)
         loss.backward()
         loss = loss.detach()
         metrics.total("loss" if role == "policy" else f"{role}/loss",
                       loss if loss_divisor == 1 else loss / loss_divisor)
         metrics.add_many(stats, float(mb.num_completion_tokens))  # one stack for all the head's statistics
     # float32 master gradients when the optimizer keeps masters of bf16 weights (parallel.master_weights)
-    clipped = gradients_for_clipping(model, optimizer)
+    clipped = gradients_for_clipping(runner.module, optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(clipped, max_grad_norm if max_grad_norm > 0 else 1e30)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
         grad_norm = grad_norm.full_tensor()
