@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from fastgrpo.rollout.base import SamplingParams
 from fastgrpo.rollout.hf import HFEngine, sample_rows
 from fastgrpo.models.tiny import EOS_TOKEN, build_tiny
+from sampler_reference import kept_set_logprobs
 
 
 @pytest.fixture(scope="session")
@@ -142,17 +143,33 @@ def test_chunking_does_not_change_greedy_output(llama, rng):
     assert [[c.token_ids for c in row] for row in one_chunk] == [[c.token_ids for c in row] for row in small_chunks]
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5), (0.0, 1.0)])
-def test_sampler_logprobs_match_a_fresh_forward(llama, temperature, top_p, rng):
+@pytest.mark.parametrize("decode", ["lean", "transformers"])
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 0.5, 0), (1.0, 0.8, 0),
+                                                     (1.0, 1.0, 5), (0.8, 0.8, 40), (0.0, 1.0, 0)])
+def test_sampler_logprobs_are_the_kept_set_renormalised(llama, temperature, top_p, top_k, decode, rng):
+    """The reported log-prob is the token's under the distribution it was drawn from: softmax(logits / T) over the
+    top_k / top_p kept set, renormalised (vLLM's processed_logprobs); greedy reports log_softmax(logits)."""
     model, tok = llama
     prompts = _prompts(tok, 3, rng)
-    params = SamplingParams(max_tokens=10, temperature=temperature, top_p=top_p, seed=5, logprobs=True)
-    out = HFEngine(model, tok, batch_size=4).generate(prompts, 2, params)
+    params = SamplingParams(max_tokens=10, temperature=temperature, top_p=top_p, top_k=top_k, seed=5, logprobs=True)
+    out = HFEngine(model, tok, batch_size=4, decode=decode).generate(prompts, 2, params)
     for prompt, row in zip(prompts, out):
         for c in row:
-            # Greedy reports log-probs at T = 1; top_p does not renormalise the reported value.
-            expected, _ = _fresh_logprobs(model, prompt, c.token_ids, temperature or 1.0)
+            _, logits = _fresh_logprobs(model, prompt, c.token_ids, 1.0)
+            expected = kept_set_logprobs(logits, torch.tensor(c.token_ids), temperature=temperature or 1.0,
+                                         top_p=top_p, top_k=top_k)
             torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_top_k_samples_only_from_the_k_most_likely(llama, rng):
+    model, tok = llama
+    prompts = _prompts(tok, 4, rng)
+    out = HFEngine(model, tok).generate(prompts, 4, SamplingParams(max_tokens=8, top_k=3, seed=2))
+    for prompt, row in zip(prompts, out):
+        for c in row:
+            _, logits = _fresh_logprobs(model, prompt, c.token_ids, 1.0)
+            chosen = logits.gather(-1, torch.tensor(c.token_ids)[:, None])  # [L, 1]
+            assert ((logits > chosen).sum(-1) < 3).all()  # fewer than 3 tokens more likely than the drawn one
 
 
 def test_top_p_samples_only_from_the_nucleus(llama, rng):

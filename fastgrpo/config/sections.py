@@ -278,6 +278,8 @@ class RolloutConfig:
     """Sampling temperature; the loss uses the same temperature for its log-probs."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
+    top_k: int = 0
+    """Sample among the top_k most likely tokens only (applied before top_p); 0 = all tokens."""
     importance_sampling_cap: float | None = None
     """Token-level truncated importance-sampling correction of sampler/trainer mismatch, weight capped here (2.0
     is common); None = off. TRL's current default masks whole sequences instead, with cap 3."""
@@ -317,6 +319,7 @@ class RolloutConfig:
         check(self.max_completion_length > 0, f"{p}.max_completion_length", "must be > 0")
         check(self.temperature > 0, f"{p}.temperature", "must be > 0")
         check(0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
+        check(self.top_k >= 0, f"{p}.top_k", f"must be >= 0 (0 = all tokens), got {self.top_k}")
         check(self.importance_sampling_cap is None or self.importance_sampling_cap >= 1,
               f"{p}.importance_sampling_cap", "must be >= 1 or null")
 

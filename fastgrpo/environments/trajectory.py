@@ -153,7 +153,8 @@ def _sample_turns(engine: RolloutEngine, contexts: list[list[int]], rooms: list[
         if count == 0:
             break
         params = SamplingParams(max_tokens=cap, temperature=sampling.temperature, top_p=sampling.top_p,
-                                seed=turn_seed(sampling.seed, turn, call), logprobs=sampling.logprobs)
+                                top_k=sampling.top_k, seed=turn_seed(sampling.seed, turn, call),
+                                logprobs=sampling.logprobs)
         outs = engine.generate([contexts[k] + turns[k].ids for k in active] + [filler] * (count - len(active)), 1,
                                params)[:len(active)]
         still = []

@@ -10,9 +10,11 @@ is in-process.
 
 Departures from a plain ``vllm.LLM``, each for a reason:
 
-- Log-probs: ``logprobs_mode='processed_logprobs'``, i.e. after temperature (and top-p), the distribution the
-  token was actually drawn from. With top_p=1 that equals the trainer's ``log_softmax(logits / T)``, which the
-  importance-sampling correction compares against (:func:`fastgrpo.algorithms.losses.truncated_importance_weights`).
+- Log-probs: ``logprobs_mode='processed_logprobs'``, i.e. after temperature, top-k and top-p, renormalised over the
+  kept set: the distribution the token was actually drawn from, the definition every engine reports
+  (:mod:`fastgrpo.rollout.truncation`; the hf engine computes the same). The trainer renormalises its own log-probs
+  over its own kept set before the importance ratio (the ``raw_*`` modes are before temperature, so they could not
+  give the untruncated log-prob at T != 1).
 - Weight sync: layer-aligned buckets (:mod:`fastgrpo.rollout.weight_sync`), then the prefix cache is reset
   (its KV entries were computed with the old weights). On CPU each bucket goes through vLLM's
   ``reload_weights`` (it re-runs the CPU backend's weight repacking, which a bare ``load_weights`` skips); with
@@ -230,7 +232,8 @@ class VLLMEngine(RolloutEngine):
         # vLLM gives sample j of a seeded request the seed `seed + j`; prompt b starts at `seed + b * n` so
         # that no two samples of one call share a seed.
         params = [self._vllm.SamplingParams(
-            n=n, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens,
+            n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens,
             seed=None if sampling.seed is None else sampling.seed + b * n,
             logprobs=0 if sampling.logprobs else None,  # 0: only the sampled token's log-prob
             # Text is decoded here in one batch, as the transformers engine does: vLLM's incremental
