@@ -15,6 +15,9 @@ for the worker's start), the held-out greedy accuracy at each evaluation, and th
 of training that led to it (per second). The markdown table (mean ± sd over seeds per mode, the async/sync ratio of
 steps per second per pair, then each run) is printed and written to ``--out``/bench_async.md with the per-run JSON.
 Report the machine's load with the figures: the script records the 1-minute load average before and after each run.
+
+Arguments and both modes' configs are checked before the first run (one line, exit 2, as ``fastgrpo.train`` does).
+SIGTERM stops the run in progress (it saves after its step) before the benchmark exits 143.
 """
 
 from __future__ import annotations
@@ -31,17 +34,23 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks.harness, also when run as a script
+
+from benchmarks.harness import (Children, benchmark_main, check_at_least, check_out_dir,  # noqa: E402
+                                check_run_configs)
+
+PROG = "bench_async.py"
+CONFIG = ROOT / "configs" / "tiny.yaml"
 
 
 def run_one(spec: dict) -> dict:
     """One GRPO run in this process (``--one``): per-step wall seconds and the run's evaluations."""
-    sys.path.insert(0, str(ROOT))
     import fastgrpo.trainers.warm  # noqa: F401 (registers the warm model tiny:countdown)
     from benchmarks.harness import clock_train_steps
     from fastgrpo.config import load_config
     from fastgrpo.trainers.grpo import Trainer
 
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", spec["overrides"])
+    cfg = load_config(CONFIG, spec["overrides"])
     load_before = os.getloadavg()[0]
     trainer = Trainer(cfg)
     step_seconds = clock_train_steps(trainer)
@@ -63,13 +72,21 @@ def run_one(spec: dict) -> dict:
     }
 
 
+class RunFailed(Exception):
+    """One run's process failed; the message names it and its log."""
+
+
 def _launch(spec: dict, out: Path) -> dict:
-    """Run ``spec`` in a fresh process (this script with --one); its JSON result."""
-    result = out / f"{spec['name']}.json"
+    """Run ``spec`` in a fresh process (this script with --one, its output in OUT/<name>.log); its JSON result."""
+    result, log_path = out / f"{spec['name']}.json", out / f"{spec['name']}.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(spec), "--result", str(result)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    with open(log_path, "w") as log, Children() as children:
+        proc = children.start(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc.wait()
     if proc.returncode != 0:
-        raise SystemExit(f"{spec['name']} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        raise RunFailed(f"run {spec['name']} failed (exit {proc.returncode}; {log_path}): "
+                        f"{lines[-1][:200] if lines else 'no output'}")
     return json.loads(result.read_text())
 
 
@@ -122,8 +139,12 @@ def table(runs: list[dict]) -> str:
     return text
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    return benchmark_main(PROG, lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--repeats", type=int, default=1, help="sync/async pairs per seed")
     ap.add_argument("--steps", type=int, default=150)
@@ -136,16 +157,21 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_async")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.one:
         args.result.write_text(json.dumps(run_one(json.loads(args.one))))
-        return
-    args.out.mkdir(parents=True, exist_ok=True)
+        return 0
+    check_at_least(args.repeats, 1, "--repeats")
+    check_at_least(args.steps, 1, "--steps")
+    check_out_dir(args.out)
     base = [f"output_dir={args.out}", "checkpoint.resume=never", "checkpoint.overwrite=true", "log.progress=false",
             "checkpoint.export_hf=false", f"max_steps={args.steps}", f"eval.every={args.eval_every}",
             f"eval.num_prompts={args.eval_prompts}", "eval.at_start=true", *args.common]
     modes = {"sync": [], "async": ["rollout.asynchronous=true", f"rollout.importance_sampling_cap={args.cap}",
                                    f"rollout.max_staleness={args.staleness}", *args.async_extra]}
+    # --cap, --staleness, --eval-* and the overrides are config keys: the config names what is wrong with them
+    check_run_configs(CONFIG, {mode: [*base, f"name={mode}", *extra] for mode, extra in modes.items()})
+    args.out.mkdir(parents=True, exist_ok=True)
     runs, pair = [], 0
     for seed in args.seeds:
         for repeat in range(args.repeats):
@@ -156,17 +182,22 @@ def main() -> None:
                 spec = {"name": name, "mode": mode, "seed": seed, "repeat": repeat,
                         "overrides": [*base, f"name={name}", f"seed={seed}", *modes[mode]]}
                 print(f">> {name}", flush=True)
-                runs.append(_launch(spec, args.out))
+                try:
+                    runs.append(_launch(spec, args.out))
+                except RunFailed as e:
+                    print(f"{PROG}: error: {e}", file=sys.stderr)
+                    return 1
                 print(f"   {steps_per_s(runs[-1]):.3f} steps/s; greedy {runs[-1]['evals']}", flush=True)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"Sync vs async rollout, demo Countdown, {args.steps} steps, seeds {args.seeds}, {when}, "
               f"{platform.node()} ({os.cpu_count()} cores); command: python benchmarks/bench_async.py "
-              + " ".join(sys.argv[1:]) + "\n\n")
+              + " ".join(sys.argv[1:] if argv is None else argv) + "\n\n")
     text = header + table(runs)
     print(text)
     (args.out / "bench_async.md").write_text(text)
     (args.out / "bench_async.json").write_text(json.dumps(runs, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,6 +14,10 @@ Reported per run, from its metrics.jsonl: held-out greedy accuracy before the fi
 the end (the config evaluates the whole held-out split), and the wall time of a step split into rollout (generation,
 rewards, advantages: ``time/rollout_s``) and update (forward, backward, optimizer: ``time/update_s``), median and
 range over the steps, and their sum over the run. Writes OUT/learning.md and OUT/learning.json.
+
+Arguments and every run's config are checked before the first run starts (one line, exit 2, as ``fastgrpo.train``
+does); a run that fails is named with its log and the benchmark exits 1. SIGTERM stops the runs (each saves after its
+step) before the benchmark exits 143; the same command then resumes them.
 """
 
 from __future__ import annotations
@@ -29,13 +33,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks.harness, also when run as a script
+
+from fastgrpo.config import ConfigError, load_config  # noqa: E402
+from benchmarks.harness import Children, benchmark_main, check_at_least, check_out_dir, check_run_configs  # noqa: E402
+
+PROG = "bench_real_model.py"
 CONFIG = ROOT / "configs" / "smollm2.yaml"
 
 
 def negated_weights(extra: list[str] = ()) -> str:
     """The control's ``rewards.weights`` override: every reward function of the config, negated."""
-    from fastgrpo.config import load_config
-
     funcs = load_config(str(CONFIG), list(extra)).rewards.funcs
     return "rewards.weights=[" + ",".join("-1.0" for _ in funcs) + "]"
 
@@ -48,24 +56,41 @@ def runs_of(seeds: list[int], control: bool, extra: list[str] = ()) -> dict[str,
     return out
 
 
-def launch(runs: dict[str, list[str]], extra: list[str], *, out: Path, parallel: int, threads: int) -> None:
-    """Run every run to its end, ``parallel`` at a time; each writes OUT/<name>/ and OUT/<name>.log."""
+def run_overrides(name: str, overrides: list[str], extra: list[str], out: Path) -> list[str]:
+    """The key=value overrides of run ``name`` (after ``--config CONFIG``)."""
+    return [f"output_dir={out}", f"name={name}", "log.progress=false", *overrides, *extra]
+
+
+def launch(runs: dict[str, list[str]], extra: list[str], *, out: Path, parallel: int, threads: int) -> dict[str, int]:
+    """Run every run to its end, ``parallel`` at a time; each writes OUT/<name>/ and OUT/<name>.log. Returns each
+    run's exit status. On SIGTERM (:class:`benchmarks.harness.Terminated`) the running ones are stopped first."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    pending, live = list(runs.items()), []
-    while pending or live:
-        while pending and len(live) < parallel:
-            name, overrides = pending.pop(0)
-            log = (out / f"{name}.log").open("w")
-            cmd = [sys.executable, "-m", "fastgrpo.train", "--config", str(CONFIG), f"output_dir={out}",
-                   f"name={name}", "log.progress=false", *overrides, *extra]
-            live.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-            print(f"[{name}] started: {' '.join(cmd[1:])}", file=sys.stderr)
-        time.sleep(5)
-        for item in [x for x in live if x[1].poll() is not None]:
-            name, proc, log = item
-            log.close()
-            live.remove(item)
-            print(f"[{name}] exit {proc.returncode}", file=sys.stderr)
+    pending, live, status = list(runs.items()), [], {}
+    with Children() as children:
+        while pending or live:
+            while pending and len(live) < parallel:
+                name, overrides = pending.pop(0)
+                log = (out / f"{name}.log").open("w")
+                cmd = [sys.executable, "-m", "fastgrpo.train", "--config", str(CONFIG),
+                       *run_overrides(name, overrides, extra, out)]
+                live.append((name, children.start(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+                print(f"[{name}] started (pid {live[-1][1].pid}): {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+            time.sleep(1)
+            for item in [x for x in live if x[1].poll() is not None]:
+                name, proc, log = item
+                log.close()
+                live.remove(item)
+                status[name] = proc.returncode
+                print(f"[{name}] exit {proc.returncode}", file=sys.stderr, flush=True)
+    return status
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:200] if lines else ""
 
 
 def summarize(folder: Path) -> dict:
@@ -119,7 +144,11 @@ def _pct(x: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    return benchmark_main(PROG, lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--no-control", action="store_true", help="skip the sign-flipped control run")
     ap.add_argument("--parallel", type=int, default=4, help="runs at a time")
@@ -128,13 +157,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/out/real_model")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides of configs/smollm2.yaml for every run")
     args = ap.parse_args(argv)
+    check_at_least(args.parallel, 1, "--parallel")
+    check_at_least(args.threads, 1, "--threads")
     out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     runs = runs_of(args.seeds, not args.no_control, args.overrides)
     started = time.perf_counter()
-    if not args.report_only:
-        launch(runs, args.overrides, out=out, parallel=args.parallel, threads=args.threads)
-    results = {name: summarize(out / name) for name in runs if (out / name / "metrics.jsonl").is_file()}
+    failed: dict[str, int] = {}
+    if args.report_only:
+        found = [name for name in runs if (out / name / "metrics.jsonl").is_file()]
+        if not found:
+            raise ConfigError(f"--out: {str(out)!r} holds none of the runs {', '.join(runs)} (no <run>/metrics.jsonl); "
+                              "run without --report-only first, or give the folder they were written to")
+    else:
+        check_out_dir(out)
+        check_run_configs(CONFIG, {n: run_overrides(n, o, args.overrides, out) for n, o in runs.items()})
+        out.mkdir(parents=True, exist_ok=True)
+        status = launch(runs, args.overrides, out=out, parallel=args.parallel, threads=args.threads)
+        failed = {name: rc for name, rc in status.items() if rc != 0}
+    results = {name: summarize(out / name) for name in runs
+               if name not in failed and (out / name / "metrics.jsonl").is_file()}
+    if failed:
+        print(f"{PROG}: error: {len(failed)} of {len(runs)} runs failed: "
+              + "; ".join(f"{n} (exit {rc}, {out / n}.log: {_last_line(out / f'{n}.log')})" for n, rc in failed.items()),
+              file=sys.stderr)
+        if not results:  # nothing to report: an empty table would read as a result
+            return 1
     # Runs started with eval.at_start=false (to spare the CPU) share the others' start: greedy decoding of the same
     # model on the same held-out problems gives the same accuracy in every run.
     starts = {r["before"] for r in results.values() if r["before"] is not None}
@@ -147,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "learning.md").write_text(text)
     (out / "learning.json").write_text(json.dumps(results, indent=1))
     print(text)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

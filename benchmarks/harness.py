@@ -1,4 +1,6 @@
-"""Shared input construction and timing for the kernel benchmarks and tests (so baselines cannot drift).
+"""Shared input construction and timing for the kernel benchmarks and tests (so baselines cannot drift); the
+command-line boundary of the benchmarks that train (the CLI's one-line errors, argument and config checks before
+any work, child processes that end with the benchmark).
 
 Shapes: N tokens, H hidden size, V vocabulary size.
 """
@@ -6,10 +8,21 @@ Shapes: N tokens, H hidden size, V vocabulary size.
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from fastgrpo.cli import EXIT_PREEMPTED, config_error, interrupted
+from fastgrpo.config import ConfigError, TrainConfig, load_config, not_a_file
+from fastgrpo.config.loader import check
+from fastgrpo.runtime.procs import die_with_parent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,3 +196,100 @@ def clock_train_steps(trainer) -> list[float]:
 
     trainer.train_step = timed_step
     return seconds
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command line of the benchmarks that train
+
+
+class Terminated(Exception):
+    """SIGTERM reached a benchmark: its children were stopped (see :class:`Children`)."""
+
+
+def benchmark_main(prog: str, body: Callable[[], int | None]) -> int:
+    """Run a benchmark's ``body`` behind the training CLI's error boundary: a bad argument, config or missing extra
+    (ConfigError, ImportError; raised before any work) is one line and exit 2, Ctrl-C one line and exit 130, SIGTERM
+    (its children stopped first) one line and exit 143. Returns the exit code (``body``'s, 0 for None)."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return body() or 0
+    except (ConfigError, ImportError) as e:
+        return config_error(prog, e)
+    except KeyboardInterrupt:
+        return interrupted(prog)
+    except Terminated:
+        print(f"{prog}: stopped by SIGTERM; its runs were stopped too (each saved at the end of its step: the same "
+              "command resumes them)", file=sys.stderr)
+        return EXIT_PREEMPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    raise Terminated()
+
+
+def check_at_least(value: int | float, least: int | float, arg: str) -> None:
+    """ConfigError naming the argument ``arg`` (e.g. '--steps') unless ``value >= least``."""
+    check(value >= least, arg, f"must be >= {least}, got {value}")
+
+
+def check_out_dir(path: Path, arg: str = "--out") -> None:
+    """``path`` is, or can be created as, a folder this process can write: a ConfigError naming ``arg`` else."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{arg}: {str(path)!r} {not_a_file(path)}; give a folder")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    check(existing.is_dir(), arg, f"{str(existing)!r} is a file, so {str(path)!r} cannot be created under it")
+    check(os.access(existing, os.W_OK | os.X_OK), arg, f"cannot write to {str(existing)!r} (permission denied)")
+
+
+def check_run_configs(config: Path | str | None, runs: dict[str, Sequence[str]], *, cls: type = TrainConfig) -> None:
+    """Every run's config (``config`` with the run's overrides) loads and validates, before the first run starts;
+    the ConfigError names the run."""
+    for name, overrides in runs.items():
+        try:
+            load_config(config, list(overrides), cls=cls)
+        except ConfigError as e:
+            raise ConfigError(f"run {name!r}: {e}") from None
+
+
+class Children:
+    """A benchmark's training processes: each in its own process group (it and the reward workers it starts), sent
+    SIGTERM when the benchmark exits while they run, and killed when they outlive ``grace_s`` after it (a step of a
+    real model on a CPU can take minutes: SIGTERM lets it finish and save). Each child also gets SIGTERM from the
+    kernel if the benchmark dies without a word (SIGKILL)."""
+
+    def __init__(self, grace_s: float = 600.0) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.grace_s = grace_s
+
+    def __enter__(self) -> Children:
+        return self
+
+    def start(self, cmd: list[str], **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+                                **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def __exit__(self, *exc) -> None:
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the wait short
+        try:
+            live = [p for p in self.procs if p.poll() is None]
+            for proc in live:
+                proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.grace_s
+            for proc in live:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            for proc in live:  # its group: the child if it outlived the grace, and whatever it left behind
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)

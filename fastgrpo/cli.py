@@ -17,7 +17,7 @@ from typing import Any, Callable
 from fastgrpo.config import ConfigError, describe, load_config
 from fastgrpo.distributed import groups as fdist
 from fastgrpo.runtime.errors import Preempted, RunError
-from fastgrpo.runtime.metrics import SINKS
+from fastgrpo.runtime.sinks import SINKS
 
 
 def check_sinks(cfg: Any) -> None:
@@ -40,10 +40,15 @@ def run_cli(argv: list[str] | None, *, prog: str, description: str, cls: type, m
     code (module docstring). Neither a config file nor an override is a config error naming ``example``: the
     defaults alone would start a long run that nobody asked for."""
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--config", help="YAML config file (configs/*.yaml)")
+    p.add_argument("--config", action="append", help="YAML config file (configs/*.yaml); one only")
     p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=1e-6")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides may stand before and after --config
+    if args.config is not None and len(args.config) > 1:  # one file defines a run; a second would silently win
+        print(f"{prog}: config error: --config given {len(args.config)} times ({', '.join(args.config)}): pass one "
+              "config file and change its keys with key=value overrides", file=sys.stderr)
+        return 2
+    args.config = args.config[0] if args.config else None
     if args.help_config:
         print(describe(cls))
         return 0
@@ -55,9 +60,21 @@ def run_cli(argv: list[str] | None, *, prog: str, description: str, cls: type, m
         return _run(args, prog=prog, cls=cls, make_trainer=make_trainer, summary_prefixes=summary_prefixes,
                     done=done, preflight=preflight)
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever it landed
-        print(f"{prog}: interrupted (SIGINT); checkpoints are written atomically, so the same command resumes from "
-              "the last one", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted(prog)
+
+
+def config_error(prog: str, error: BaseException) -> int:
+    """A bad config, argument or missing extra: one line on stderr; the exit code 2. Benchmarks report theirs
+    through this too (benchmarks/harness.py ``benchmark_main``)."""
+    print(f"{prog}: config error: {error}", file=sys.stderr)
+    return 2
+
+
+def interrupted(prog: str) -> int:
+    """Ctrl-C: one line on stderr; the exit code 130."""
+    print(f"{prog}: interrupted (SIGINT); checkpoints are written atomically, so the same command resumes from "
+          "the last one", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def _run(args: argparse.Namespace, *, prog: str, cls: type, make_trainer: Callable[[Any], Any],
@@ -66,8 +83,7 @@ def _run(args: argparse.Namespace, *, prog: str, cls: type, make_trainer: Callab
         cfg = load_config(args.config, args.overrides, cls=cls)
         preflight(cfg)
     except (ConfigError, ImportError) as e:
-        print(f"{prog}: config error: {e}", file=sys.stderr)
-        return 2
+        return config_error(prog, e)
 
     fdist.init_distributed(cfg.device)
     ended_normally = False

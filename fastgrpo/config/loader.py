@@ -16,6 +16,7 @@ component (components import their config sections).
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import importlib
@@ -24,6 +25,7 @@ import math
 import stat
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -181,7 +183,8 @@ def _closest_key(key: str, root: type) -> str:
     keys = _all_keys(root)
     *head, leaf = key.split(".")
     ours = getattr(root, "KEY_ALIASES", {}).get(leaf, leaf)
-    for tail in (key, ".".join([*head, ours]), ours):
+    # then a part of the key that is a key's last name ('compile.enable' -> 'parallel.compile'), nearest the end first
+    for tail in (key, ".".join([*head, ours]), ours, *reversed(head)):
         found = [k for k in keys if k == tail or k.endswith("." + tail)]
         if len(found) == 1:
             return f"; did you mean {found[0]!r}?"
@@ -232,30 +235,69 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error: the last one would win
+    without a word. A merge (``<<: *base``) may still override the keys it brings in."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if not isinstance(key, (list, dict)) and key in lines:
+                    raise ConfigError(f"key {key!r} is given twice in one section (lines {lines[key]} and {line}); "
+                                      "keep one")
+                if not isinstance(key, (list, dict)):
+                    lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(p: Path) -> Any:
+    try:
+        return yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...], *, cls: type) -> Any:
     """Read a YAML file (optional), apply ``key=value`` overrides, build and validate a run config ``cls`` (its
-    ``validate()`` runs the checks)."""
+    ``validate()`` runs the checks). A value nested deeper than Python's recursion limit is a ConfigError naming
+    the file or the override that holds it."""
     tree: dict = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} {not_a_file(p)}")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        with _nesting(f"config file {str(p)!r}"):
+            tree = _read_yaml(p) or {}
         if not isinstance(tree, dict):
             raise ConfigError(f"{p}: top level must be a mapping")
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
         key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
-        _set_dotted(tree, key.strip(), value)
-    return _build(cls, tree, "", cls).validate()
+        with _nesting(f"override {key.strip()!r}"):
+            try:
+                value = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError:
+                raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
+            _set_dotted(tree, key.strip(), value)
+    with _nesting("the config"):
+        return _build(cls, tree, "", cls).validate()
+
+
+@contextlib.contextmanager
+def _nesting(where: str) -> Iterator[None]:
+    try:
+        yield
+    except RecursionError:
+        raise ConfigError(f"{where}: a value is nested too deeply to read (deeper than Python's recursion limit); a "
+                          "config holds a few levels of sections and plain values") from None
 
 
 def not_a_file(path: Path) -> str:
