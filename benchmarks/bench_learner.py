@@ -49,7 +49,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
-from fastgrpo.runtime.metrics import device_peak_flops, update_flops  # noqa: E402
+from fastgrpo.runtime.peaks import device_peak_flops  # noqa: E402
+from fastgrpo.runtime.step_cost import update_flops  # noqa: E402
 from fastgrpo.models.attention import choose_attn_implementation  # noqa: E402
 from fastgrpo.models.loading import packed_head_forward  # noqa: E402
 from fastgrpo.models.packing import pack, plan_microbatches  # noqa: E402

@@ -216,9 +216,10 @@ def lean_vs_transformers(model, tokenizer, prompts, n, sampling, rounds: int, ba
 
 def decode_floor_line(model, sequences: int, batch_size: int, *, prompt_len: int, steps: int, lean_ms: float) -> str:
     """The decode step's memory-bandwidth floor (weights and the key / value cache read once per step, at the card's
-    peak bandwidth; ``fastgrpo.runtime.metrics.decode_step_bytes``) against the lean step's measured time. The mean
+    peak bandwidth; ``fastgrpo.runtime.step_cost.decode_step_bytes``) against the lean step's measured time. The mean
     context of a step is the prompt plus half the new tokens (every sequence runs all steps under --no-eos)."""
-    from fastgrpo.runtime.metrics import decode_step_bytes, device_peak_bandwidth
+    from fastgrpo.runtime.peaks import device_peak_bandwidth
+    from fastgrpo.runtime.step_cost import decode_step_bytes
 
     context = prompt_len + (steps + 1) / 2
     need = decode_step_bytes(model, sequences=sequences, batch_size=batch_size, context=context)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from benchmarks.op_counter import OpCounter
-from fastgrpo.runtime.metrics import StepMetrics, drop_records_after
+from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.runtime.sinks import drop_records_after
 
 
 def test_reduce_kinds():
@@ -56,7 +57,7 @@ def test_wandb_runs_offline_without_an_api_key(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    from fastgrpo.runtime.metrics import WandbSink
+    from fastgrpo.runtime.sinks import WandbSink
 
     sink = WandbSink("proj", "run", {"a": 1}, tmp_path)
     sink.write({"step": 3, "reward/mean": 0.5})
@@ -126,7 +127,8 @@ def test_decode_step_bytes_counts_the_weights_per_batch_and_every_sequences_cach
     is the head), keys and values of every sequence's context once; counted by hand on a small Qwen2."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from fastgrpo.runtime.metrics import decode_step_bytes, device_peak_bandwidth
+    from fastgrpo.runtime.peaks import device_peak_bandwidth
+    from fastgrpo.runtime.step_cost import decode_step_bytes
 
     cfg = Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
@@ -141,10 +143,10 @@ def test_decode_step_bytes_counts_the_weights_per_batch_and_every_sequences_cach
 
 
 def test_peak_figures_go_by_the_device_name_most_specific_first(monkeypatch):
-    from fastgrpo.runtime import metrics
+    from fastgrpo.runtime import peaks
 
     for name, bandwidth in (("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H100 PCIe", 2.0e12),
                             ("NVIDIA H200", 4.8e12), ("NVIDIA GeForce RTX 4090", None)):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
-        assert metrics.device_peak_bandwidth("cuda") == bandwidth, name
-        assert metrics.device_peak_flops("cuda") == (None if bandwidth is None else 989e12), name
+        assert peaks.device_peak_bandwidth("cuda") == bandwidth, name
+        assert peaks.device_peak_flops("cuda") == (None if bandwidth is None else 989e12), name

@@ -27,7 +27,7 @@ def _registries():
     from fastgrpo import kernels, rewards, rollout
     from fastgrpo.models import attention
     from fastgrpo.algorithms import losses
-    from fastgrpo.runtime import metrics
+    from fastgrpo.runtime import sinks
     from fastgrpo.data import templates
 
     return {
@@ -37,7 +37,7 @@ def _registries():
         "rollout.engine": list(rollout.ENGINES),
         "grpo.loss_type": list(losses.LOSS_TYPES),
         "grpo.head_backend": list(kernels.BACKENDS),
-        "log.report_to": list(metrics.SINKS),
+        "log.report_to": list(sinks.SINKS),
     }
 
 

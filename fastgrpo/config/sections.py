@@ -597,7 +597,7 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class LogConfig:
-    report_to: list[str] = field(default_factory=lambda: ["jsonl"], metadata=registry("fastgrpo.runtime.metrics:SINKS"))
+    report_to: list[str] = field(default_factory=lambda: ["jsonl"], metadata=registry("fastgrpo.runtime.sinks:SINKS"))
     """Metric sinks besides the progress bar: 'jsonl', 'wandb'."""
     wandb_project: str = "fastgrpo"
     """wandb project name."""
