@@ -14,12 +14,19 @@ Imports only torch (and Triton when available), so other trainers can vendor thi
     FusedLinearGRPOLoss(...)(_input[B,T,H], lin_weight, selected_token_ids[B,T], attention_mask[B,T], advantages[B],
                              ...) -> (loss, metrics): Liger's LigerFusedLinearGRPOLoss, on padded batches (module.py)
 
+    fused_grpo_loss(hidden, weight, targets, advantages, token_weights, settings, *, old_logprobs=None, ...)
+        -> (loss, stats): linear_grpo_loss with its settings as one ``LossSettings`` (settings.py), as the trainer
+        and the adapters call it
+
 Layers, each knowing only the one below:
+  ``settings.py``  ``LossSettings``: the policy term and its parameters, beta, the ratio's level, the temperature;
+      checked once when built; ``loss_types.py`` ``LOSS_TYPES``: each loss type's term and normaliser, for
+      fastgrpo's trainer, TRL and Liger (the one table); ``terms.py`` the policy terms (``POLICY_LOSSES``);
   ``objective.py``  ``TokenObjective``: the per-token GRPO loss as a function of the log-prob (the loss, its
-      closed-form gradient, which rows can move), built once per call by ``linear_grpo_loss`` from its settings;
+      closed-form gradient, which rows can move), built once per call from a ``LossSettings`` and the call's rows;
   ``grpo_loss.py`` / ``logprobs.py``  the public ops and their ``autograd.Function``s;
   ``backends.py``  which backend runs a call and what each can run (``resolve_backend``, ``check_backend``);
-  the backends, which take the objective as one argument and never see its settings:
+  the backends, which take the objective as one argument and never read its settings:
     ``"cublas"`` (``_gradfwd.py``) on CUDA with a gradient to take: the gradient formed in forward from cuBLAS
         logits chunk by chunk, three large products in all; token-level ratio only;
     ``"triton"`` (``_triton.py``) other CUDA calls: online log-sum-exp over vocabulary tiles, logits recomputed in
@@ -30,15 +37,23 @@ Layers, each knowing only the one below:
 """
 
 from .backends import BACKENDS, check_backend, resolve_backend
-from .grpo_loss import linear_grpo_loss
+from .grpo_loss import fused_grpo_loss, linear_grpo_loss
 from .logprobs import linear_logprobs
+from .loss_types import LOSS_TYPES, LossType
 from .module import FusedLinearGRPOLoss, padded_grpo_loss
-from .objective import POLICY_LOSSES, TokenObjective
+from .objective import TokenObjective
 from .reference import reference_linear_grpo_loss, reference_linear_logprobs
+from .settings import LossSettingError, LossSettings
+from .terms import POLICY_LOSSES
 
 __all__ = [
     "linear_logprobs",
     "linear_grpo_loss",
+    "fused_grpo_loss",
+    "LossSettings",
+    "LossSettingError",
+    "LOSS_TYPES",
+    "LossType",
     "FusedLinearGRPOLoss",
     "padded_grpo_loss",
     "reference_linear_logprobs",

@@ -35,8 +35,9 @@ import torch
 from .backends import grad_in_forward_module, resolve_backend
 from .logprobs import check_inputs, fused_logprobs
 from .objective import TokenObjective
+from .settings import LossSettings
 
-__all__ = ["linear_grpo_loss"]
+__all__ = ["fused_grpo_loss", "linear_grpo_loss"]
 
 
 def linear_grpo_loss(
@@ -66,6 +67,7 @@ def linear_grpo_loss(
 ):
     """GRPO-family loss (the normaliser is in ``token_weights``, the term in ``policy_loss``) of an lm_head applied
     to ``hidden``: ``sum_n token_weights[n] l_pg_n + beta sum_n kl_token_weights[n] k3_n`` (``objective.py``).
+    The settings' keywords build one ``LossSettings`` (which checks them) for ``fused_grpo_loss``.
 
     Args:
         hidden ``[N, H]``, weight ``[V, H]``, targets ``[N]``: as in ``linear_logprobs``.
@@ -101,11 +103,44 @@ def linear_grpo_loss(
         when asked, and ``cispo_clip_frac`` (TRL's ``cispo_clip_ratio``: ``r > epsilon_high and A > 0``) under
         cispo. "Tokens with nonzero weight" are those with a nonzero weight in either term.
     """
-    objective = TokenObjective(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                               epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
-                               sequence_index=sequence_index, policy_loss=policy_loss,
-                               sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-                               use_bias_correction_kl=use_bias_correction_kl, kl_token_weights=kl_token_weights)
+    settings = LossSettings(policy_loss=policy_loss, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+                            beta=beta, sapo_temperature_pos=sapo_temperature_pos,
+                            sapo_temperature_neg=sapo_temperature_neg, use_bias_correction_kl=use_bias_correction_kl,
+                            importance_sampling_level="token" if sequence_index is None else "sequence",
+                            temperature=temperature)
+    return fused_grpo_loss(hidden, weight, targets, advantages, token_weights, settings, old_logprobs=old_logprobs,
+                           ref_logprobs=ref_logprobs, kl_token_weights=kl_token_weights,
+                           sequence_index=sequence_index, return_entropy=return_entropy, backend=backend,
+                           chunk_size=chunk_size, bias=bias)
+
+
+def fused_grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    advantages: torch.Tensor,
+    token_weights: torch.Tensor,
+    settings: LossSettings,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_token_weights: torch.Tensor | None = None,
+    sequence_index: torch.Tensor | None = None,
+    return_entropy: bool = False,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+    bias: torch.Tensor | None = None,
+):
+    """``linear_grpo_loss`` with its settings as one ``LossSettings`` (what the trainer and the adapters call): the
+    same loss, arguments and result. ``sequence_index`` is required at ``importance_sampling_level="sequence"``
+    and refused at "token"."""
+    if settings.sequence_level != (sequence_index is not None):
+        raise ValueError(f"importance_sampling_level={settings.importance_sampling_level!r} "
+                         + ("needs sequence_index (the sequence of each row)" if settings.sequence_level else
+                            "takes no sequence_index (set importance_sampling_level='sequence' for GSPO)"))
+    temperature = settings.temperature
+    objective = TokenObjective(advantages, settings=settings, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                               sequence_index=sequence_index, kl_token_weights=kl_token_weights)
     objective.check_rows(hidden.shape[0], token_weights)
 
     counted = objective.active(token_weights)  # [N]
