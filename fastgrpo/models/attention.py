@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from fastgrpo.models.packing import MicroBatch
-from fastgrpo.models.varlen_op import varlen_attn
+from fastgrpo.models.varlen_op import bottom_right_causal, varlen_attn, varlen_attn_kv
 
-__all__ = ["ATTN_BACKENDS", "AttnBackend", "block_causal_mask", "choose_attn_implementation",
+__all__ = ["ATTN_BACKENDS", "STATIC_SHAPES_PROBLEM", "AttnBackend", "block_causal_mask", "choose_attn_implementation",
            "decoding_attn_implementation", "packed_attention_inputs", "register_attn_backend",
-           "register_with_transformers"]
+           "register_with_transformers", "shared_prefix_problem", "use_shared_prefix"]
 
 
 def _flash_attn_installed() -> bool:
@@ -52,14 +52,26 @@ def _runs_anywhere(device: torch.device) -> None:
 # - torch_varlen and sdpa_varlen (fastgrpo's own): cu_seqlens + max_seqlen, as for flash-attn.
 # - eager and flex_attention: position_ids only; transformers builds the additive mask / the BlockMask.
 # Models with sliding-window layers also use position_ids only: one explicit mask would ignore the window.
+#
+# A row with a shared prefix (fastgrpo.models.packing, "Shared prefixes") is not a set of sequences that position_ids
+# could tell apart (an own segment's positions continue its prefix's), so only the backends that take the layout
+# run it (AttnBackend.shared_prefix): sdpa gets the mask with each prefix visible to its sequences' tokens; the varlen
+# ones gather each segment's keys and values by kv_index ([prefix ; own] for a sequence's own segment) and attend
+# causally aligned bottom-right on cu_seq_lens_k; the gather's backward adds each prefix key's gradient over the
+# segments that read it. flash_attention_2 (transformers' own attention function, which takes the row's own keys),
+# eager and flex_attention (position_ids) cannot, and say so before a step runs (use_shared_prefix).
 
 
 def block_causal_mask(mb: MicroBatch) -> torch.Tensor:
-    """[1, 1, T, T] bool: token q may attend to token k iff same sequence and k <= q."""
+    """[1, 1, T, T] bool: token q may attend to token k iff same segment and k <= q, or (a row with a shared prefix)
+    k is in the prefix segment q sees in full (``context_ids``; a prefix comes before its sequences)."""
     seg = mb.segment_ids  # [T], already on the device: no host->device copy inside the micro-batch loop
     same = seg[:, None] == seg[None, :]  # [T, T]
     causal = torch.ones(mb.num_tokens, mb.num_tokens, dtype=torch.bool, device=seg.device).tril_()
-    return (same & causal)[None, None]
+    mask = same & causal
+    if mb.context_ids is not None:
+        mask |= mb.context_ids[:, None] == seg[None, :]  # [T, T]; -1 matches no segment
+    return mask[None, None]
 
 
 def _sdpa_inputs(mb: MicroBatch) -> dict[str, Any]:
@@ -69,6 +81,14 @@ def _sdpa_inputs(mb: MicroBatch) -> dict[str, Any]:
 def _varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
     return {"cu_seq_lens_q": mb.cu_seqlens, "cu_seq_lens_k": mb.cu_seqlens,
             "max_length_q": mb.max_seqlen, "max_length_k": mb.max_seqlen}
+
+
+def _shared_varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
+    # fastgrpo's varlen backends: a row with a shared prefix adds the keys each segment attends (kv_index [Tk]) and
+    # their boundaries; max_seqlen is the longest key segment (a sequence's prompt + completion)
+    if not mb.shares_prefix:
+        return _varlen_inputs(mb)
+    return {**_varlen_inputs(mb), "cu_seq_lens_k": mb.cu_seqlens_k, "kv_index": mb.kv_index}
 
 
 def _no_padding(mb: MicroBatch) -> torch.Tensor:
@@ -81,15 +101,17 @@ def _no_padding(mb: MicroBatch) -> torch.Tensor:
 def _own_varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
     # fastgrpo's varlen backends: the boundaries also as host ints, from the packing plan (no device-to-host copy
     # per layer in sdpa_varlen), and the no-padding marker
-    bounds = [0]
-    for length in mb.segment_lengths:  # the sequences, then a padded row's dummy segments
+    bounds, key_bounds = [0], [0]
+    for length, keys in zip(mb.segment_lengths, mb.key_segment_lengths):  # the real segments, then the padding's
         bounds.append(bounds[-1] + length)
-    return {**_varlen_inputs(mb), "sequence_bounds": bounds, "attention_mask": _no_padding(mb)}
+        key_bounds.append(key_bounds[-1] + keys)
+    shared = {"key_bounds": key_bounds} if mb.shares_prefix else {}
+    return {**_shared_varlen_inputs(mb), **shared, "sequence_bounds": bounds, "attention_mask": _no_padding(mb)}
 
 
 def _op_varlen_inputs(mb: MicroBatch) -> dict[str, Any]:
     # "varlen_op": the boundaries as a device tensor only (host ints would be guarded values in a compiled block)
-    return {**_varlen_inputs(mb), "attention_mask": _no_padding(mb)}
+    return {**_shared_varlen_inputs(mb), "attention_mask": _no_padding(mb)}
 
 
 def _position_ids_only(mb: MicroBatch) -> dict[str, Any]:
@@ -107,6 +129,9 @@ def _sdpa_per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     sequences need ``sum L_i^2``; and sdpa's CPU kernel skips the blocks above the diagonal only with
     ``is_causal``, never for a mask. Without ``cu_seq_lens_q`` (a plain forward) the sequences start where
     ``position_ids`` restart unless a KV cache is in use, as transformers' own packed-sequence detection has it.
+    A row with a shared prefix (``kv_index``): each segment's keys and values are gathered (its prefix's, then its
+    own; boundaries from ``key_bounds``, host ints, else ``cu_seq_lens_k``) and attended causally aligned
+    bottom-right, so a sequence's own tokens see its whole prefix.
     """
     cu = kwargs.get("cu_seq_lens_q")
     if kwargs.get("sequence_bounds") is not None:  # the packed forward's host copy of cu_seq_lens_q
@@ -121,6 +146,11 @@ def _sdpa_per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     else:
         bounds = _sequence_starts(kwargs.get("position_ids"), query.shape[2])
     gqa = query.shape[1] != key.shape[1]
+    key_bounds = bounds
+    kv_index = kwargs.get("kv_index")
+    if kv_index is not None:  # a shared prefix: the keys of each segment, [1, Hkv, Tk, d]
+        key, value = (t.index_select(2, kv_index) for t in (key, value))
+        key_bounds = kwargs.get("key_bounds") or kwargs["cu_seq_lens_k"].tolist()
 
     def band(n: int) -> torch.Tensor | None:  # sliding-window layers: causal and at most `window` back, [n, n]
         if sliding_window is None or sliding_window >= n:
@@ -129,14 +159,22 @@ def _sdpa_per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < sliding_window)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [1, Hq, L_i, d]
-        mask = band(q.shape[2])
+        if q.shape[2] != k.shape[2]:  # a sequence's own segment after its shared prefix
+            if sliding_window is not None and sliding_window < k.shape[2]:
+                raise ValueError("model.attn_implementation=sdpa_varlen: a shared prefix with sliding-window "
+                                 "layers is not supported (set the update's shared_prefix to false)")
+            mask = bottom_right_causal(q.shape[2], k.shape[2], q.device)
+        else:
+            mask = band(q.shape[2])
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa)
 
     # One split per tensor, not a slice per sequence: a split's backward is one concatenation, where each slice's
     # backward writes its gradient into a fresh zero tensor of the whole row (3 K zero-fills and adds per layer).
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    parts = zip(*(t.split(lengths, dim=2) for t in (query, key, value)))
+    pairs = [(b - a, kb - ka) for a, b, ka, kb in zip(bounds[:-1], bounds[1:], key_bounds[:-1], key_bounds[1:])
+             if b > a]
+    lengths, key_lengths = [n for n, _ in pairs], [n for _, n in pairs]
+    parts = zip(query.split(lengths, dim=2), *(t.split(key_lengths, dim=2) for t in (key, value)))
     outs = [attend(q, k, v) for q, k, v in parts]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, Hq, T, d]
     return out.transpose(1, 2).contiguous(), None
@@ -216,12 +254,21 @@ def _torch_varlen(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     from torch.nn.attention.varlen import varlen_attn
 
     gqa = query.shape[1] != key.shape[1]
+    kv_index = kwargs.get("kv_index")
+    if kv_index is not None and sliding_window is not None:
+        raise ValueError("model.attn_implementation=torch_varlen: a shared prefix with sliding-window layers is not "
+                         "supported (set the update's shared_prefix to false)")
     options = _varlen_call_options(varlen_attn, sliding_window, gqa)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, d]
+    cu_k = cu
+    if kv_index is not None:  # a shared prefix: each segment's keys [Tk, Hkv, d]; FlashAttention's causal mask is
+        # aligned bottom-right, so a sequence's own tokens see its whole prefix
+        k, v = (t.index_select(0, kv_index) for t in (k, v))
+        cu_k = kwargs["cu_seq_lens_k"]
     if gqa and "enable_gqa" not in options:
         k, v = (t.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for t in (k, v))
-    max_len = int(kwargs["max_length_q"])
-    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, **options)  # [T, Hq, d]
+    max_q, max_k = int(kwargs["max_length_q"]), int(kwargs.get("max_length_k") or kwargs["max_length_q"])
+    out = varlen_attn(q, k, v, cu, cu_k, max_q, max_k, scale=scaling, **options)  # [T, Hq, d]
     return out[None], None
 
 
@@ -247,6 +294,11 @@ def _varlen_op(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
         return _torch_varlen(module, query, key, value, attention_mask, dropout, scaling, sliding_window, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, d]
+    kv_index = kwargs.get("kv_index")
+    if kv_index is not None:  # a shared prefix: each segment's keys [Tk, Hkv, d], attended bottom-right aligned
+        k, v = (t.index_select(0, kv_index) for t in (k, v))
+        out = varlen_attn_kv(q, k, v, cu, kwargs["cu_seq_lens_k"], int(kwargs["max_length_q"]), float(scale))
+        return out[None], None
     out = varlen_attn(q, k, v, cu, int(kwargs["max_length_q"]), float(scale))  # [T, Hq, d]
     return out[None], None
 
@@ -291,6 +343,8 @@ class AttnBackend:
     """Implementation the HF rollout engine decodes with; None = this one."""
     plain_forward: bool = True
     """Whether it runs a plain forward (no packed-row boundaries); False: packed rows only."""
+    shared_prefix: bool = False
+    """Whether its packed inputs express a row with a shared prefix (``MicroBatch.kv_index`` / ``context_ids``)."""
 
 
 ATTN_BACKENDS: dict[str, AttnBackend] = {}
@@ -305,17 +359,18 @@ def register_attn_backend(name: str, backend: AttnBackend) -> None:
 register_attn_backend("flash_attention_2", AttnBackend(check=_needs_flash_attn, packed_inputs=_varlen_inputs))
 # flex's compiled kernels are specialised to shapes and a KV cache changes shape every token: decode with sdpa.
 register_attn_backend("flex_attention", AttnBackend(decode_with="sdpa"))
-register_attn_backend("sdpa", AttnBackend(packed_inputs=_sdpa_inputs))
+register_attn_backend("sdpa", AttnBackend(packed_inputs=_sdpa_inputs, shared_prefix=True))
 # sdpa per sequence of a packed row (see _sdpa_per_sequence): the CPU default; decoding needs sdpa's masks.
-register_attn_backend("sdpa_varlen", AttnBackend(packed_inputs=_own_varlen_inputs, decode_with="sdpa"))
+register_attn_backend("sdpa_varlen", AttnBackend(packed_inputs=_own_varlen_inputs, decode_with="sdpa",
+                                                 shared_prefix=True))
 register_attn_backend("eager", AttnBackend())
 # torch's FlashAttention varlen kernel (CUDA, bf16/fp16): the CUDA default without flash-attn; decodes with sdpa.
 register_attn_backend("torch_varlen", AttnBackend(check=_needs_torch_varlen, packed_inputs=_own_varlen_inputs,
-                                                  decode_with="sdpa"))
+                                                  decode_with="sdpa", shared_prefix=True))
 # One registered op per layer (fastgrpo.models.varlen_op; torch's varlen op on CUDA in bf16): what compiled blocks
 # run (parallel.compile switches sdpa_varlen / torch_varlen to it); decodes with sdpa.
 register_attn_backend("varlen_op", AttnBackend(packed_inputs=_op_varlen_inputs, decode_with="sdpa",
-                                               plain_forward=False))
+                                               plain_forward=False, shared_prefix=True))
 
 
 def choose_attn_implementation(requested: str, device: torch.device | str) -> str:
@@ -356,9 +411,51 @@ def plain_forward_attn_implementation(impl: str | None) -> str | None:
     return impl if backend is None or backend.plain_forward else backend.decode_with
 
 
+def shared_prefix_problem(impl: str | None, config: Any = None) -> str | None:
+    """Why attention ``impl`` (of a model with ``config``, when given) cannot run a row with a shared prefix, or None
+    when it can."""
+    backend = ATTN_BACKENDS.get(impl or "sdpa")
+    if backend is None or not backend.shared_prefix:
+        able = ", ".join(name for name, b in ATTN_BACKENDS.items() if b.shared_prefix)
+        return (f"{impl} cannot attend a shared prefix (it reads the sequences from position_ids, or attends each "
+                f"row's own keys); these can: {able}")
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return "the model's sliding-window layers take their masks from position_ids, which a shared prefix breaks"
+    return None
+
+
+STATIC_SHAPES_PROBLEM = ("compiled blocks and CUDA graphs (parallel.compile, parallel.cuda_graphs) run fixed row "
+                         "shapes, and the keys a shared prefix gathers vary with every row")
+"""Why a runner with compiled or graphed blocks never shares a prefix."""
+
+
+def use_shared_prefix(setting: str, *, impl: str | None, config: Any = None, static_shapes: bool = False,
+                      key: str = "grpo.shared_prefix", requested: str | None = None) -> bool:
+    """Whether packed passes share each group's prompt prefix, for ``setting`` (the value of config key ``key``:
+    'auto', 'true' or 'false'), attention ``impl`` (as resolved; ``requested``: model.attn_implementation as set, for
+    the message) of a model with ``config`` (when known), and ``static_shapes`` (compiled or graphed blocks). 'auto'
+    shares wherever the attention can; 'true' where it cannot is a one-line ValueError naming ``key`` and
+    model.attn_implementation."""
+    if setting not in ("auto", "true", "false"):
+        raise ValueError(f"{key} must be auto, true or false, got {setting!r}")
+    if setting == "false":
+        return False
+    problem = STATIC_SHAPES_PROBLEM if static_shapes else shared_prefix_problem(impl, config)
+    if problem is not None and setting == "true":
+        raise ValueError(f"{key}=true, but model.attn_implementation={requested or impl}: {problem}; set {key} to "
+                         "auto or false")
+    return problem is None
+
+
 def packed_attention_inputs(config: Any, mb: MicroBatch) -> dict[str, Any]:
-    """Extra trunk kwargs that mark the sequence boundaries of packed row ``mb`` for a model with ``config``."""
+    """Extra trunk kwargs that mark the sequence boundaries of packed row ``mb`` for a model with ``config``; a row
+    with a shared prefix that the model's attention cannot express is a ValueError, never a wrong result."""
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    if mb.shares_prefix:
+        problem = shared_prefix_problem(impl, config)
+        if problem is not None:
+            raise ValueError(f"a packed row with a shared prefix: {problem}")
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         return {}

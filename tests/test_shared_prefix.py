@@ -1,0 +1,361 @@
+"""Shared prompt prefixes in packed rows: each group's prompt forwarded once, the same log-probs, losses, gradients and
+values as the unshared rows (fastgrpo.models.packing, "Shared prefixes").
+
+The comparisons are against the same code with ``grpo.shared_prefix=false`` (packed unshared rows, themselves checked
+against unpadded forwards in tests/test_packing.py), at 1e-5 relative in float32. ``_assert_same`` is the one
+comparison; the planted faults (a completion that sees a sibling's tokens, positions that restart) go through it
+and must fail it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastgrpo.config import GRPOConfig, ParallelConfig, PPOConfig, RolloutConfig
+from fastgrpo.models.attention import ATTN_BACKENDS, block_causal_mask, packed_attention_inputs, use_shared_prefix
+from fastgrpo.models.loading import packed_head_forward
+from fastgrpo.models.packing import (MicroBatch, common_prefix_length, pack, plan_microbatches,
+                                     plan_shared_microbatches, prefix_groups)
+from fastgrpo.models.varlen_op import bottom_right_causal, varlen_attn_kv
+from fastgrpo.runtime.metrics import StepMetrics
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 131
+RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def grouped_batch(seed: int, groups: int = 3, size: int = 4, prompt: tuple[int, int] = (3, 14),
+                  completion: tuple[int, int] = (1, 9)) -> tuple[list[list[int]], list[list[int]]]:
+    """``groups`` prompts of different lengths, each sampled ``size`` times (completions of random lengths), in
+    GRPO's order (a group's samples next to each other)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def seq(lo: int, hi: int) -> list[int]:
+        return torch.randint(0, VOCAB, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
+
+    prompts, completions = [], []
+    for _ in range(groups):
+        p = seq(*prompt)
+        for _ in range(size):
+            prompts.append(list(p))
+            completions.append(seq(*completion))
+    return prompts, completions
+
+
+def _assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Equal within RTOL of the largest magnitude (float32; summation order differs where a prefix is shared)."""
+    scale = want.abs().max().clamp(min=1e-6)
+    gap = (got - want).abs().max()
+    assert gap <= RTOL * scale, f"{what}: differs by {gap:.3g} (scale {scale:.3g})"
+
+
+def _assert_same_grads(model: torch.nn.Module, want: dict[str, torch.Tensor]) -> None:
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys() and want
+    for name, g in want.items():
+        _assert_same(got[name], g, f"grad {name}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Planning and layout (no model)
+
+
+def _visible(mb: MicroBatch, position: int) -> list[int]:
+    """The tokens row position ``position`` attends, in row order (from the row's dense mask)."""
+    mask = block_causal_mask(mb)[0, 0, position]  # [T]
+    return mb.input_ids[0, mask].tolist()
+
+
+def test_each_predicting_position_sees_exactly_its_unshared_sequence():
+    """Layout: the hidden state that predicts completion token t of sequence i sees sequence i's first P + t tokens,
+    in order, at position P + t - 1, whatever the row holds beside it; and the varlen keys of every segment are what
+    its last token sees in the mask."""
+    prompts, completions = grouped_batch(seed=1)
+    prompts[5] = prompts[5][:-1] + [(prompts[5][-1] + 1) % VOCAB]  # a rewritten prompt: shares a shorter prefix
+    groups = prefix_groups(prompts, keys=[i // 4 for i in range(len(prompts))], min_saved_tokens=1)
+    assert groups.prefix_lengths[1] == len(prompts[4]) - 1  # the group's common prefix stops at the rewrite
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    mbs = pack(prompts, completions, plan_shared_microbatches(lengths, groups, 10_000), "cpu", groups=groups)
+    assert len(mbs) == 1 and mbs[0].shares_prefix
+    mb = mbs[0]
+    flat = [(i, t) for i, c in enumerate(completions) for t in range(len(c))]
+    for h, target, f in zip(mb.hidden_index.tolist(), mb.targets.tolist(), mb.flat_index.tolist()):
+        i, t = flat[f]
+        seq = prompts[i] + completions[i]
+        assert target == completions[i][t]
+        assert _visible(mb, h) == seq[:len(prompts[i]) + t]
+        assert mb.position_ids[0, h] == len(prompts[i]) + t - 1
+    # kv_index: segment k's keys are what its last token sees
+    bounds, keys = [0, *torch.tensor(mb.segment_lengths).cumsum(0).tolist()], mb.cu_seqlens_k.tolist()
+    for k in range(len(mb.segment_lengths)):
+        last = bounds[k + 1] - 1
+        assert mb.input_ids[0, mb.kv_index[keys[k]:keys[k + 1]]].tolist() == _visible(mb, last)
+    assert mb.num_real_tokens < mb.num_sequence_tokens == sum(lengths)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=5), budget=st.integers(8, 90),
+       seed=st.integers(0, 1000))
+def test_shared_plan_covers_each_sequence_once_within_budget(sizes, budget, seed):
+    g = torch.Generator().manual_seed(seed)
+    prompts, completions = [], []
+    for n in sizes:
+        p = torch.randint(0, VOCAB, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n):
+            prompts.append(p)
+            completions.append([1] * int(torch.randint(1, 12, (1,), generator=g)))
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    groups = prefix_groups(prompts, min_saved_tokens=1)
+    bins = plan_shared_microbatches(lengths, groups, budget)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    for b, mb in zip(bins, pack(prompts, completions, bins, "cpu", groups=groups)):
+        assert b == sorted(b) and sorted(mb.seq_indices) == b
+        # over the budget only where one sequence alone is
+        assert mb.num_tokens <= budget or (len(b) == 1 and lengths[b[0]] > budget)
+    for start in range(0, len(lengths), 1):  # a group that fits the budget with its prefix once is in one row
+        members = [i for i in range(len(prompts)) if groups.group_of[i] == groups.group_of[start] >= 0]
+        shared = groups.prefix_lengths[groups.group_of[start]] if members else 0
+        if members and sum(lengths[i] for i in members) - (len(members) - 1) * shared <= budget:
+            assert sum(set(members) <= set(b) for b in bins) == 1
+
+
+def test_a_group_over_the_budget_repeats_its_prefix_in_each_part():
+    prompts, completions = grouped_batch(seed=2, groups=1, size=8, prompt=(12, 12), completion=(6, 6))
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]  # 8 x 18: one row would hold 12 + 8 x 6
+    groups = prefix_groups(prompts)
+    bins = plan_shared_microbatches(lengths, groups, 40)  # 12 + 4 x 6 = 36 per part
+    mbs = pack(prompts, completions, bins, "cpu", groups=groups)
+    assert [len(b) for b in bins] == [4, 4] and all(mb.shares_prefix and mb.num_tokens == 36 for mb in mbs)
+
+
+def test_what_does_not_pay_is_packed_as_without_groups():
+    """Sequences alone with their prompt, and a group saving fewer tokens than min_saved_tokens, give exactly the rows
+    of the unshared packing."""
+    prompts, completions = grouped_batch(seed=3, groups=2, size=2, prompt=(3, 3))
+    prompts += [[7, 8, 9]]
+    completions += [[1, 2]]
+    groups = prefix_groups(prompts)  # (2 - 1) x 3 tokens saved < 16
+    assert groups.group_of[-1] == -1 and not groups.shares(0, 2)
+    bins = [list(range(len(prompts)))]
+    shared, plain = pack(prompts, completions, bins, "cpu", groups=groups)[0], pack(prompts, completions, bins, "cpu")[0]
+    assert not shared.shares_prefix
+    for f in ("input_ids", "position_ids", "hidden_index", "targets", "flat_index", "cu_seqlens", "segment_ids"):
+        assert torch.equal(getattr(shared, f), getattr(plain, f)), f
+
+
+def test_pack_refuses_groups_that_do_not_match_the_prompts():
+    prompts, completions = grouped_batch(seed=4, groups=1, size=3, prompt=(20, 20))
+    groups = prefix_groups(prompts)
+    prompts[1] = [(t + 1) % VOCAB for t in prompts[1]]
+    with pytest.raises(ValueError, match="sequence 1 does not start with its group's shared prefix"):
+        pack(prompts, completions, [[0, 1, 2]], "cpu", groups=groups)
+    assert common_prefix_length([[1, 2, 3], [1, 2], [1, 2, 4]]) == 2 and common_prefix_length([]) == 0
+
+
+def test_padded_rows_with_a_shared_prefix_keep_their_bucket_and_keys():
+    prompts, completions = grouped_batch(seed=5, groups=2, size=4, prompt=(9, 9))
+    groups = prefix_groups(prompts, min_saved_tokens=1)
+    mb = pack(prompts, completions, [list(range(8))], "cpu", groups=groups, buckets=[128], max_seqlen=32)[0]
+    assert mb.num_tokens == 128 and mb.shares_prefix and mb.pad_lengths
+    assert mb.cu_seqlens.shape == mb.cu_seqlens_k.shape and mb.cu_seqlens[-1] == 128
+    assert mb.cu_seqlens_k[-1] == mb.kv_index.numel() == sum(mb.key_segment_lengths)
+    assert mb.context_ids.shape == (128,) and (mb.context_ids[-sum(mb.pad_lengths):] == -1).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The attention op with keys of their own layout
+
+
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2)])
+def test_varlen_attn_kv_equals_masked_sdpa_with_gradients(heads):
+    hq, hkv = heads
+    lengths_q, lengths_k = [5, 3, 1, 4], [5, 8, 6, 4]  # bottom-right: 3 queries over 8 keys, ...
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(lengths_q), hq, 8, generator=g, requires_grad=True)
+    k = torch.randn(sum(lengths_k), hkv, 8, generator=g, requires_grad=True)
+    v = torch.randn(sum(lengths_k), hkv, 8, generator=g, requires_grad=True)
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    out = varlen_attn_kv(q, k, v, cu_q, cu_k, 8, 0.3)
+    w = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref = []
+    for qs, ks, vs in zip(q.split(lengths_q), k.split(lengths_k), v.split(lengths_k)):
+        ks, vs = (t.repeat_interleave(hq // hkv, dim=1) for t in (ks, vs))
+        s = torch.einsum("qhd,khd->hqk", qs, ks) * 0.3
+        p = s.masked_fill(~bottom_right_causal(qs.shape[0], ks.shape[0], q.device), float("-inf")).softmax(-1)
+        ref.append(torch.einsum("hqk,khd->qhd", p, vs))
+    ref = torch.cat(ref)
+    rq, rk, rv = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for got, want, what in ((out, ref, "out"), (dq, rq, "dq"), (dk, rk, "dk"), (dv, rv, "dv")):
+        _assert_same(got, want, what)
+    torch.library.opcheck(torch.ops.fastgrpo.varlen_attn_kv.default, (q, k, v, cu_q, cu_k, 8, 0.3))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The packed forward on each backend that can attend a shared prefix
+
+
+def tiny_model(family: str, attn: str, seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from fastgrpo.models.attention import register_with_transformers
+
+    register_with_transformers()
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=72, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32, max_position_embeddings=128, attn_implementation=attn)
+    cfg = (Qwen2Config(tie_word_embeddings=True, **common) if family == "qwen2" else
+           LlamaConfig(tie_word_embeddings=False, **common))
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).float().train()
+
+
+def _logprobs(model: torch.nn.Module, mbs: list[MicroBatch], n: int) -> torch.Tensor:
+    """[F] the log-probs of every completion token through the packed forward; gradients flow to the model."""
+    out = torch.zeros(n, device=mbs[0].targets.device)
+    for mb in mbs:
+        lp = packed_head_forward(model, mb, lambda h, w: torch.log_softmax(h @ w.T, -1))  # [N, V]
+        out = out.index_put((mb.flat_index,), lp.gather(1, mb.targets[:, None])[:, 0])
+    return out
+
+
+def _packed(prompts, completions, budget, *, shared: bool, buckets=(), max_seqlen=None) -> list[MicroBatch]:
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    groups = prefix_groups(prompts, min_saved_tokens=1) if shared else None
+    bins = plan_shared_microbatches(lengths, groups, budget) if shared else plan_microbatches(lengths, budget)
+    return pack(prompts, completions, bins, "cpu", groups=groups, buckets=buckets, max_seqlen=max_seqlen)
+
+
+def _shared_vs_unshared(model, prompts, completions, budget, **kw) -> tuple:
+    """(shared log-probs, unshared log-probs, unshared gradients); the model's .grad holds the shared ones."""
+    n = sum(map(len, completions))
+    w = torch.randn(n, generator=torch.Generator().manual_seed(9))  # [F] weights: every position gets gradient
+    ref = _logprobs(model, _packed(prompts, completions, budget, shared=False, **kw), n)
+    (w * ref).sum().backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    mbs = _packed(prompts, completions, budget, shared=True, **kw)
+    assert any(mb.shares_prefix for mb in mbs)
+    got = _logprobs(model, mbs, n)
+    (w * got).sum().backward()
+    return got, ref.detach(), want
+
+
+@pytest.mark.parametrize("family,attn", [("qwen2", "sdpa"), ("llama", "sdpa"), ("qwen2", "sdpa_varlen"),
+                                         ("llama", "sdpa_varlen"), ("qwen2", "varlen_op")])
+def test_shared_rows_give_the_unshared_logprobs_and_gradients(family, attn):
+    """Groups of different prompt lengths in one row, and a budget that sends a group over two rows."""
+    model = tiny_model(family, attn)
+    prompts, completions = grouped_batch(seed=11)
+    got, want, grads = _shared_vs_unshared(model, prompts, completions, budget=60)
+    _assert_same(got, want, "log-probs")
+    _assert_same_grads(model, grads)
+
+
+def test_padded_shared_rows_give_the_unshared_logprobs_and_gradients():
+    model = tiny_model("qwen2", "sdpa_varlen")
+    prompts, completions = grouped_batch(seed=12)
+    got, want, grads = _shared_vs_unshared(model, prompts, completions, budget=64, buckets=[32, 64, 128],
+                                           max_seqlen=32)
+    _assert_same(got, want, "log-probs")
+    _assert_same_grads(model, grads)
+
+
+def _leak_sibling(mb: MicroBatch) -> MicroBatch:
+    """A planted fault: the second sequence of the row's first group also sees the first one's own tokens."""
+    first, second = 1, 2  # segments: 0 the prefix, 1 and 2 its first two sequences
+    context = mb.context_ids.clone()
+    context[mb.segment_ids == second] = first  # the mask: segment 2 sees segment 1 in full (and not the prefix)
+    bounds = torch.tensor(mb.key_segment_lengths).cumsum(0).tolist()
+    kv = mb.kv_index.tolist()
+    prefix = mb.segment_lengths[0]
+    start = sum(mb.segment_lengths[:first])
+    own_first = list(range(start, start + mb.segment_lengths[first]))
+    # the keys: segment 2 attends [prefix ; segment 1 ; own] instead of [prefix ; own]
+    kv = kv[:bounds[first] + prefix] + own_first + kv[bounds[first] + prefix:]
+    keys = list(mb.key_segment_lengths)
+    keys[second] += len(own_first)
+    cu_k = torch.tensor([0, *torch.tensor(keys).cumsum(0).tolist()], dtype=torch.int32)
+    return dataclasses.replace(mb, context_ids=context, kv_index=torch.tensor(kv), cu_seqlens_k=cu_k,
+                               key_lengths=keys[:len(mb.row_segments)])
+
+
+def _restart_positions(mb: MicroBatch) -> MicroBatch:
+    """A planted fault: every own segment's positions restart at 0 instead of continuing its prefix's."""
+    pos = torch.cat([torch.arange(n) for n in mb.segment_lengths])[None]
+    return dataclasses.replace(mb, position_ids=pos)
+
+
+@pytest.mark.parametrize("fault", [_leak_sibling, _restart_positions])
+@pytest.mark.parametrize("attn", ["sdpa", "sdpa_varlen", "varlen_op"])
+def test_a_planted_fault_fails_the_comparison(attn, fault):
+    """The comparison the exactness tests make catches a completion that sees a sibling's tokens, or shifted
+    positions (and passes on the same row without the fault)."""
+    model = tiny_model("qwen2", attn)
+    prompts, completions = grouped_batch(seed=13, groups=1, size=3)
+    n = sum(map(len, completions))
+    mbs = _packed(prompts, completions, 1000, shared=True)
+    assert len(mbs) == 1 and mbs[0].shares_prefix
+    with torch.no_grad():
+        want = _logprobs(model, _packed(prompts, completions, 1000, shared=False), n)
+        _assert_same(_logprobs(model, mbs, n), want, "log-probs")
+        with pytest.raises(AssertionError, match="log-probs: differs"):
+            _assert_same(_logprobs(model, [fault(mbs[0])], n), want, "log-probs")
+
+
+@pytest.mark.parametrize("attn", ["eager", "flex_attention", "flash_attention_2"])
+def test_backends_that_cannot_attend_a_shared_prefix_refuse_it(attn):
+    prompts, completions = grouped_batch(seed=14, groups=1, size=3, prompt=(20, 20))
+    mb = _packed(prompts, completions, 1000, shared=True)[0]
+    config = transformers.Qwen2Config(attn_implementation="sdpa")
+    config._attn_implementation = attn
+    with pytest.raises(ValueError, match=f"{attn} cannot attend a shared prefix"):
+        packed_attention_inputs(config, mb)
+    assert not ATTN_BACKENDS[attn].shared_prefix
+    assert not use_shared_prefix("auto", impl=attn)
+    with pytest.raises(ValueError, match=rf"grpo.shared_prefix=true, but model.attn_implementation={attn}: "):
+        use_shared_prefix("true", impl=attn)
+
+
+def test_shared_prefix_true_with_an_attention_that_cannot_is_a_config_error():
+    from fastgrpo.config import ConfigError, load_config
+
+    base = ["device=cpu", "model.name_or_path=tiny"]
+    with pytest.raises(ConfigError, match=r"grpo.shared_prefix=true, but model.attn_implementation=eager: .*auto or "
+                                          r"false"):
+        load_config(None, [*base, "model.attn_implementation=eager", "grpo.shared_prefix=true"])
+    with pytest.raises(ConfigError, match=r"grpo.shared_prefix=true, but .*parallel.compile"):
+        load_config(None, [*base, "parallel.compile=true", "grpo.shared_prefix=true"])
+    assert load_config(None, [*base, "model.attn_implementation=eager"]).grpo.shared_prefix == "auto"
+    assert load_config(None, [*base, "grpo.shared_prefix=true"]).grpo.shared_prefix == "true"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch_varlen runs on CUDA only")
+def test_torch_varlen_shared_rows_equal_unshared_on_gpu():
+    model = tiny_model("qwen2", "torch_varlen").cuda().to(torch.bfloat16)
+    prompts, completions = grouped_batch(seed=15)
+    n = sum(map(len, completions))
+
+    def on_gpu(mbs):
+        return [dataclasses.replace(mb, **{f.name: getattr(mb, f.name).cuda() for f in dataclasses.fields(mb)
+                                           if isinstance(getattr(mb, f.name), torch.Tensor)}) for mb in mbs]
+
+    with torch.no_grad():
+        got = _logprobs(model, on_gpu(_packed(prompts, completions, 60, shared=True)), n)
+        want = _logprobs(model, on_gpu(_packed(prompts, completions, 60, shared=False)), n)
+    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=5e-2)  # bf16: FlashAttention's own rounding
