@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from fastgrpo.config import ConfigError, describe, load_config
 from fastgrpo.distributed import groups as fdist
-from fastgrpo.runtime.errors import Preempted, RunError
+from fastgrpo.runtime.errors import Preempted, RunError, is_disk_full
 from fastgrpo.runtime.sinks import SINKS
 
 
@@ -90,9 +90,20 @@ def _run(args: argparse.Namespace, *, prog: str, cls: type, make_trainer: Callab
     try:
         try:
             trainer = make_trainer(cfg)
-        except (ValueError, ImportError, OSError) as e:  # bad data, rewards, model path: before any training
+        except (ValueError, ImportError) as e:  # bad data, rewards, model path: before any training
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 2
+        except RunError as e:  # a full disk while the run folder is set up: the run failed, not its input
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 1
+        except OSError as e:
+            if not is_disk_full(e):  # a model folder, a data file that cannot be read
+                print(f"{prog}: error: {e}", file=sys.stderr)
+                return 2
+            print(f"{prog}: error: no space left on the device while writing "
+                  f"{e.filename if e.filename else 'the run folder or a model cache'}; free some space and run the "
+                  "same command again", file=sys.stderr)
+            return 1
         try:
             record = trainer.run()
         except Preempted as e:

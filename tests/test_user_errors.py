@@ -33,7 +33,7 @@ def _one_line_error(err: str, *needles: str, prog: str = "fastgrpo") -> str:
 
 
 def _main(tmp_path: Path, *args: str) -> int:
-    return train.main([*args, *TOY, f"output_dir={tmp_path}", "name=run"])
+    return train.main([*TOY, f"output_dir={tmp_path}", "name=run", *args])
 
 
 # ---------------------------------------------------------------------------------------------- the config
@@ -202,3 +202,59 @@ def test_sigterm_to_bench_real_model_ends_its_training_child_and_that_childs_rew
         if bench.poll() is None:
             bench.kill()
             bench.wait()
+
+
+# ---------------------------------------------------------------------------------------------- engines and models
+
+
+def test_prompts_longer_than_the_vllm_context_are_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    from fastgrpo.rollout import ENGINES
+    from fastgrpo.trainers import loop
+
+    # vLLM need not be installed: the check reads the data and the tokenizer only
+    monkeypatch.setattr(ENGINES["vllm"], "check_available", lambda: None)
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert _main(tmp_path, "max_steps=1", "rollout.engine=vllm", "rollout.vllm.max_model_len=6") == 2
+    _one_line_error(capsys.readouterr().err, "row 0", "rollout.vllm.max_model_len=6", "raise rollout.vllm.max_model_len")
+
+
+def test_a_completion_budget_as_long_as_the_vllm_context_is_a_config_error(tmp_path, capsys):
+    assert _main(tmp_path, "rollout.engine=vllm", "rollout.vllm.max_model_len=64",
+                 "rollout.max_completion_length=100") == 2
+    _one_line_error(capsys.readouterr().err, "rollout.max_completion_length", "rollout.vllm.max_model_len=64")
+
+
+def test_an_async_max_staleness_past_the_open_file_limit_is_one_line_before_the_worker_starts(tmp_path, capsys):
+    assert _main(tmp_path, "max_steps=1", "rollout.asynchronous=true", "rollout.importance_sampling_cap=2",
+                 "rollout.max_staleness=1000000") == 2
+    _one_line_error(capsys.readouterr().err, "rollout.max_staleness=1000000", "open files", "ulimit -n")
+
+
+def test_the_async_refusal_of_a_user_environment_names_that_environment(tmp_path, capsys):
+    envs = tmp_path / "myenv.py"
+    envs.write_text("from fastgrpo.environments import Environment\n\nclass Guess(Environment):\n"
+                    "    def step(self, text):\n        return None, 1.0, True\n")
+    assert _main(tmp_path, "max_steps=1", "rollout.asynchronous=true", "rollout.importance_sampling_cap=2",
+                 f"rollout.env.name={envs}:Guess", "rollout.max_turns=2") == 2
+    line = _one_line_error(capsys.readouterr().err, "rollout.env.name", "myenv.py:Guess", "rollout.asynchronous")
+    assert "tools" not in line
+
+
+def test_a_disk_too_full_for_the_run_lock_is_exit_1_naming_the_file_and_the_rerun_resumes(tmp_path, capsys,
+                                                                                          monkeypatch):
+    import errno
+
+    assert _main(tmp_path, "max_steps=1") == 0
+    real_write = os.write
+
+    def full(fd, data):  # a full disk: any new byte fails (the first the run writes is its lock's pid)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", full)
+        rc = _main(tmp_path, "max_steps=2")
+    assert os.write is real_write
+    assert rc == 1
+    _one_line_error(capsys.readouterr().err, "no space left", str(tmp_path / "run" / ".lock"), "same command")
+    assert _main(tmp_path, "max_steps=2") == 0  # room again: the same command resumes
+    assert "resumed from" in capsys.readouterr().out

@@ -158,7 +158,9 @@ def check_async(cfg: TrainConfig, algorithm) -> None:
     r = cfg.rollout
     check(r.engine == "hf", "rollout.engine", f"rollout.asynchronous generates with the 'hf' engine only for now, got "
           f"{r.engine!r} (vLLM on its own GPUs is designed in docs/ASYNC.md, not built)")
-    check(not r.env.enabled, "rollout.env", "multi-turn rollouts (tools) are not served by rollout.asynchronous yet")
+    what = "the tools environment" if r.env.name == "tools" else f"the environment {r.env.name!r}"
+    check(not r.env.enabled, "rollout.env.name", f"multi-turn rollouts ({what}) are not served by "
+          "rollout.asynchronous yet: set rollout.asynchronous=false, or rollout.env.name=none for single-turn")
     check(algorithm.asynchronous_rollout, "algorithm", f"rollout.asynchronous does not serve algorithm "
           f"{cfg.algorithm!r} yet (grpo only)")
     check(r.importance_sampling_cap is not None, "rollout.importance_sampling_cap",

@@ -317,6 +317,11 @@ class RolloutConfig:
         check(self.max_turns == 1 or self.env.enabled, f"{p}.max_turns",
               f"more than one turn needs an environment to answer the model: set {p}.env.name")
         check(self.max_completion_length > 0, f"{p}.max_completion_length", "must be > 0")
+        check(self.engine != "vllm" or self.vllm.max_model_len is None
+              or self.max_completion_length < self.vllm.max_model_len, f"{p}.max_completion_length",
+              f"{self.max_completion_length} leaves no room for a prompt in {p}.vllm.max_model_len="
+              f"{self.vllm.max_model_len} (the engine's context holds the prompt and the completion): raise "
+              f"{p}.vllm.max_model_len or leave it null")
         check(self.temperature > 0, f"{p}.temperature", "must be > 0")
         check(0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
         check(self.top_k >= 0, f"{p}.top_k", f"must be >= 0 (0 = all tokens), got {self.top_k}")

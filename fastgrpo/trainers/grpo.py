@@ -36,7 +36,7 @@ from fastgrpo.update.microbatch import auto_microbatch_tokens
 from fastgrpo.models.loading import load_model, load_tokenizer, resolve_model_path
 from fastgrpo.rewards import RewardRunner, check_reward_columns
 from fastgrpo.rollout import EngineSetup, RolloutEngine, SamplingParams, build_engine
-from fastgrpo.rollout.async_worker import AsyncRollout, Batch, RolloutWorkerError, split_threads
+from fastgrpo.rollout.async_worker import AsyncRollout, Batch, RolloutWorkerError, split_threads, trained_parameters
 from fastgrpo.algorithms.sampling import dynamic_sample
 
 
@@ -75,6 +75,8 @@ class Trainer(TrainingLoop):
         self._bounds: list[int] | None = None
 
         self.tokenizer = load_tokenizer(cfg.model, seed=cfg.seed)
+        if preflight.engine_context(cfg):  # the engine's context, before the model and the engine load
+            self.check_context(preflight.engine_context(cfg), "rollout.vllm.max_model_len")
         self.env_render = None if self.env is None else ObservationRenderer(self.tokenizer, self.env.tool_schemas)
         self.algorithm = ALGORITHMS[cfg.algorithm]  # what to build and how to update (the trainer has no branch)
         self._init_extras()  # before the policy: its resume restores them too
@@ -127,6 +129,8 @@ class Trainer(TrainingLoop):
         if self.device.type != "cpu":
             raise ValueError(f"rollout.asynchronous runs on the CPU for now, the device is {self.device.type} "
                              "(docs/ASYNC.md has the GPU design); set device=cpu or rollout.asynchronous=false")
+        trained = [p for _, p in trained_parameters(self.model)]  # what each of the max_staleness slots copies
+        preflight.check_async_slots(r.max_staleness, len(trained), sum(p.numel() * p.element_size() for p in trained))
         worker_threads, trainer_threads = split_threads(r.async_threads)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(trainer_threads)
@@ -223,9 +227,10 @@ class Trainer(TrainingLoop):
         length anyway)."""
         return max(self._prompt_bounds(), default=1)
 
-    def check_context(self, limit: int) -> None:
-        """Every prompt of both splits plus rollout.max_completion_length fits the model's ``limit`` positions;
-        only the prompts whose bound says they might not are tokenized."""
+    def check_context(self, limit: int, limit_name: str = "") -> None:
+        """Every prompt of both splits plus rollout.max_completion_length fits the model's ``limit`` positions
+        (``limit_name``: another limit's key, see preflight.check_fits); only the prompts whose bound says they might
+        not are tokenized."""
         completion = self.cfg.rollout.max_completion_length
         for k, bound in enumerate(self._prompt_bounds()):
             if bound + completion <= limit:
@@ -237,7 +242,8 @@ class Trainer(TrainingLoop):
                                  len(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]),
                                  completion,
                                  "(rollout.max_completion_length)", limit,
-                                 fix=", or lower rollout.max_completion_length")
+                                 fix=", or lower rollout.max_completion_length"
+                                 + (f" or raise {limit_name}" if limit_name else ""), limit_name=limit_name)
 
     def prompts(self, indices: list[int], rows: list[dict]) -> tuple[list[str], list[list[int]]]:
         """Render and tokenize prompts of ``rows`` (the train or the eval split), cached per row."""

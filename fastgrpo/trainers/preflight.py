@@ -12,6 +12,7 @@ import errno
 import fcntl
 import json
 import os
+import resource
 import shutil
 import socket
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import torch
 from fastgrpo.config import TrainConfig, not_a_file, run_defining_changes, run_kind_of
 from fastgrpo.distributed import checkpoint as ckpt
 from fastgrpo.distributed.parallelize import check_parallel
+from fastgrpo.runtime.errors import DiskFullError, is_disk_full
 from fastgrpo.runtime.files import safetensors_problem, write_atomic
 
 LOGS = ("metrics.jsonl", "completions.jsonl")
@@ -190,15 +192,25 @@ def check_model_files(model_path: str) -> None:
 
 
 def check_fits(split: str, index: int, prompt: Any, prompt_tokens: int, completion_tokens: int, completion: str,
-               limit: int, fix: str = "") -> None:
+               limit: int, fix: str = "", limit_name: str = "") -> None:
     """ValueError naming row ``index`` of ``split`` (and the start of its ``prompt``) when its prompt plus
-    ``completion_tokens`` (``completion`` says what they are) exceed the model's ``limit`` positions; ``fix``: a
-    further way out, after 'shorten or drop that row'."""
+    ``completion_tokens`` (``completion`` says what they are) exceed ``limit`` positions: the model's
+    (max_position_embeddings), or what ``limit_name`` names (e.g. 'rollout.vllm.max_model_len'); ``fix``: a further
+    way out, after 'shorten or drop that row'."""
     if prompt_tokens + completion_tokens <= limit:
         return
+    what = f"{limit_name}={limit}" if limit_name else f"the model's {limit} (max_position_embeddings)"
     raise ValueError(f"{split} row {index} ({repr(prompt)[:50]}...) needs {prompt_tokens} prompt tokens + "
                      f"{completion_tokens} {completion} = {prompt_tokens + completion_tokens} positions, more than "
-                     f"the model's {limit} (max_position_embeddings): shorten or drop that row{fix}")
+                     f"{what}: shorten or drop that row{fix}")
+
+
+def engine_context(cfg: Any) -> int | None:
+    """The rollout engine's own context limit when the config sets one (``rollout.vllm.max_model_len``): every
+    prompt plus the completion budget must fit it, checked with the data before any model loads (the engine would
+    refuse the first batch only after its start-up)."""
+    rollout = cfg.rollout
+    return rollout.vllm.max_model_len if rollout.engine == "vllm" else None
 
 
 @contextlib.contextmanager
@@ -218,6 +230,25 @@ def warn_batch_above_data(what: str, per_rank: int, world_size: int, num_rows: i
         print(f"[fastgrpo] warning: {what}={per_rank}{f' x {world_size} ranks' if world_size > 1 else ''} is more "
               f"than the {num_rows} training rows: every step repeats rows (about "
               f"{per_rank * world_size / max(num_rows, 1):.0f} times each)", flush=True)
+
+
+def check_async_slots(max_staleness: int, tensors: int, nbytes: int, shm: Path = Path("/dev/shm")) -> None:
+    """rollout.asynchronous keeps ``max_staleness`` copies of the trained weights (``tensors`` tensors, ``nbytes``
+    bytes) in shared memory, one open file per tensor and copy: ValueError naming rollout.max_staleness when they
+    would take more than half of this process's open-file limit or of the free shared memory (the rest is for
+    everything else a run opens), instead of 'Too many open files' from the middle of the worker's start."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    files = max_staleness * tensors
+    if soft != resource.RLIM_INFINITY and files > soft // 2:
+        raise ValueError(f"rollout.max_staleness={max_staleness} keeps {max_staleness} copies of the {tensors} "
+                         f"trained tensors in shared memory: {files} open files, more than half of this process's "
+                         f"limit of {soft} (ulimit -n); lower rollout.max_staleness (the batches in flight: 1 or 2 "
+                         "keeps the worker busy)")
+    free = shutil.disk_usage(shm).free if shm.is_dir() else None
+    if free is not None and max_staleness * nbytes > free // 2:
+        raise ValueError(f"rollout.max_staleness={max_staleness} keeps {max_staleness} copies of the trained weights "
+                         f"({nbytes / 2**20:.0f} MiB each) in shared memory, more than half of the "
+                         f"{free / 2**30:.1f} GiB free in {shm}; lower rollout.max_staleness")
 
 
 # ------------------------------------------------------------------------------------------------ lock
@@ -258,8 +289,15 @@ class RunLock:
             except FileNotFoundError:
                 pass
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        except OSError as e:
+            os.close(fd)
+            if not is_disk_full(e):
+                raise
+            raise DiskFullError(f"no space left on the device while writing {path} (the run folder's lock; nothing "
+                                "else was written); free some space and run the same command again") from None
         self.fd = fd
 
     def release(self) -> None:
