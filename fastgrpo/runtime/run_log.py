@@ -35,7 +35,8 @@ class RunLog:
                 raise DiskFullError(f"no space left on the device while writing {run_dir / 'config.json'} (the "
                                     "previous one is intact); free some space and run the same command again") \
                     from None
-            self.sinks = [SINKS[s].for_run(run_dir, name=name, project=project, config=config) for s in report_to]
+            self.sinks = [SINKS[s].for_run(run_dir, name=name, project=project, config=config, step=step)
+                          for s in report_to]
             self.completions = JsonlSink(run_dir / "completions.jsonl")
         self.bar = ProgressBar(max_steps, step, enabled=enabled and progress, desc=desc)
 

@@ -1,7 +1,8 @@
 """Metric sinks: where a step's record goes (``log.report_to``), and the jsonl files a resumed run trims.
 
-A sink class has ``for_run(run_dir, name=, project=, config=)``, ``check_available()`` (called before any work, so a
-missing package is a one-line error), ``write(record)`` and ``close()``.
+A sink class has ``for_run(run_dir, name=, project=, config=, step=)`` (``step``: the step a resumed run starts
+after, 0 for a fresh one), ``check_available()`` (called before any work, so a missing package is a one-line
+error), ``write(record)`` and ``close()``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,7 @@ class JsonlSink:
     finished step."""
 
     @classmethod
-    def for_run(cls, run_dir: Path, *, name: str, project: str, config: dict) -> "JsonlSink":
+    def for_run(cls, run_dir: Path, *, name: str, project: str, config: dict, step: int = 0) -> "JsonlSink":
         return cls(run_dir / "metrics.jsonl")
 
     @staticmethod
@@ -101,32 +103,63 @@ def check_wandb_available() -> None:
 
 
 class WandbSink:
-    """wandb run; offline mode when no API key is configured, so a run never blocks on a login prompt."""
+    """A wandb run; offline mode when no API key is configured, so a run never blocks on a login prompt.
+
+    Its id is kept in the run folder (``wandb_run_id``): a resumed run (``step`` > 0) logs to the same wandb run, a
+    fresh one starts a new run. wandb is a view of the run, not its record (metrics.jsonl is): a failure of wandb
+    (its start, a log call, its finish) is printed once and ends this sink, never the training.
+    """
+
+    ID_FILE = "wandb_run_id"
 
     @classmethod
-    def for_run(cls, run_dir: Path, *, name: str, project: str, config: dict) -> "WandbSink":
-        return cls(project, name, config, run_dir)
+    def for_run(cls, run_dir: Path, *, name: str, project: str, config: dict, step: int = 0) -> "WandbSink":
+        return cls(project, name, config, run_dir, resume=step > 0)
 
     check_available = staticmethod(check_wandb_available)
 
-    def __init__(self, project: str, name: str, config: dict, run_dir: Path) -> None:
+    def __init__(self, project: str, name: str, config: dict, run_dir: Path, *, resume: bool = False) -> None:
         check_wandb_available()
         import wandb
 
+        self._run = None
+        id_file = run_dir / self.ID_FILE
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else ""
+        if not run_id:
+            run_id = secrets.token_hex(6)
+            write_atomic(id_file, run_id + "\n")
         mode = None
         if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
             mode = "offline"
-        self._run = wandb.init(project=project, name=name, config=config, dir=str(run_dir), mode=mode,
-                               resume="allow")
+        try:
+            self._run = wandb.init(project=project, name=name, config=config, dir=str(run_dir), mode=mode, id=run_id,
+                                   resume="allow")
+        except Exception as e:  # noqa: BLE001 (whatever wandb raises: a missing key, a network error)
+            self._give_up("could not start", e)
+
+    def _give_up(self, what: str, e: BaseException) -> None:
+        print(f"[fastgrpo] wandb {what} ({type(e).__name__}: {str(e)[:200]}); training goes on without wandb "
+              "(metrics.jsonl has every step)", flush=True)
+        self._run = None
 
     def write(self, record: dict) -> None:
+        if self._run is None:
+            return
         step = int(record.get("step", 0))
-        self._run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        try:
+            self._run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        except Exception as e:  # noqa: BLE001
+            self._give_up(f"failed to log step {step}", e)
 
     def close(self) -> None:
-        self._run.finish()
+        if self._run is None:
+            return
+        try:
+            self._run.finish()
+        except Exception as e:  # noqa: BLE001
+            self._give_up("failed to finish", e)
 
 
 SINKS: dict[str, type] = {"jsonl": JsonlSink, "wandb": WandbSink}
-"""Metric sink name (the choices of log.report_to) -> class with ``for_run(run_dir, name=, project=, config=)``,
+"""Metric sink name (the choices of log.report_to) -> class with ``for_run(run_dir, name=, project=, config=, step=)``,
 ``check_available()``, ``write(record)`` and ``close()``."""
