@@ -359,3 +359,140 @@ def test_torch_varlen_shared_rows_equal_unshared_on_gpu():
         got = _logprobs(model, on_gpu(_packed(prompts, completions, 60, shared=True)), n)
         want = _logprobs(model, on_gpu(_packed(prompts, completions, 60, shared=False)), n)
     torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=5e-2)  # bf16: FlashAttention's own rounding
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The trainer's update functions: GRPO (every loss type, beta, mu, GSPO), LoRA, PPO with its critic, buckets
+
+
+def _grpo_batch(seed: int):
+    from fastgrpo.algorithms.grpo import GRPOBatch
+
+    prompts, completions = grouped_batch(seed)
+    prompts[6] = prompts[6][:-1] + [(prompts[6][-1] + 1) % VOCAB]  # an environment rewrote one sample's prompt
+    advantages = torch.randn(len(prompts), generator=torch.Generator().manual_seed(seed))
+    return GRPOBatch(prompt_ids=prompts, completion_ids=completions, advantages=advantages)
+
+
+def _grpo_run(model, batch, *, shared: bool, budget: int, ref=None, **grpo) -> tuple[dict, dict, list]:
+    """The trainer's GRPO update with lr 0 (the weights stay, .grad holds the last update's gradients); returns
+    (gradients, metrics, micro-batches)."""
+    from fastgrpo.algorithms.grpo import grpo_update
+
+    metrics = StepMetrics()
+    params = [p for p in model.parameters() if p.requires_grad]
+    mbs = grpo_update(model, batch, grpo=GRPOConfig(head_backend="torch", max_tokens_per_microbatch=budget,
+                                                    shared_prefix="true" if shared else "false", **grpo),
+                      rollout=RolloutConfig(max_completion_length=16), optimizer=torch.optim.SGD(params, lr=0.0),
+                      max_grad_norm=0.0, metrics=metrics, device="cpu", ref_model=ref)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads, metrics.reduce(), mbs
+
+
+def _assert_update_matches(model, batch, *, budget: int, ref=None, **grpo) -> list[MicroBatch]:
+    want, want_metrics, _ = _grpo_run(model, batch, shared=False, budget=budget, ref=ref, **grpo)
+    got, got_metrics, mbs = _grpo_run(model, batch, shared=True, budget=budget, ref=ref, **grpo)
+    assert any(mb.shares_prefix for mb in mbs)
+    assert got.keys() == want.keys() and want
+    for name in want:
+        _assert_same(got[name], want[name], f"grad {name}")
+    for key in ("loss", "policy/grad_norm", "policy/kl_mean"):
+        if key in want_metrics:
+            _assert_same(torch.tensor(got_metrics[key]), torch.tensor(want_metrics[key]), key)
+    # the same sequences' tokens, fewer forwarded
+    assert got_metrics["perf/update_tokens"] == want_metrics["perf/update_tokens"] == sum(
+        len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids))
+    assert got_metrics["perf/update_tokens_forwarded"] < want_metrics["perf/update_tokens_forwarded"]
+    return mbs
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "luspo", "cispo", "sapo"])
+def test_grpo_update_shared_equals_unshared_for_every_loss_type(loss_type):
+    """A budget of 30 tokens sends groups over two micro-batches (each part repeats the prefix)."""
+    mbs = _assert_update_matches(tiny_model("qwen2", "sdpa_varlen"), _grpo_batch(21), budget=30, loss_type=loss_type)
+    spread = [{i // 4 for i in mb.seq_indices} for mb in mbs]
+    assert any(sum(g in s for s in spread) > 1 for g in range(3))  # a group split across micro-batches
+
+
+@pytest.mark.parametrize("grpo", [dict(loss_type="grpo", beta=0.1, num_iterations=2),
+                                  dict(loss_type="dapo", beta=0.1, importance_sampling_level="sequence"),
+                                  dict(loss_type="dr_grpo", top_entropy_quantile=0.5)])
+def test_grpo_update_with_reference_old_logprobs_and_sequence_ratios_shared_equals_unshared(grpo):
+    ref = tiny_model("qwen2", "sdpa_varlen", seed=5).requires_grad_(False)
+    _assert_update_matches(tiny_model("qwen2", "sdpa_varlen"), _grpo_batch(22), budget=200, ref=ref, **grpo)
+
+
+@pytest.mark.parametrize("fault", [_leak_sibling, _restart_positions])
+def test_a_planted_fault_fails_the_update_comparison(fault, monkeypatch):
+    """The update-level comparison fails when the shared rows carry a fault (the step's packing patched)."""
+    import fastgrpo.update.step as step
+
+    pack_rows = step.pack
+
+    def faulty(*args, **kwargs):
+        return [fault(mb) if mb.shares_prefix else mb for mb in pack_rows(*args, **kwargs)]
+
+    monkeypatch.setattr(step, "pack", faulty)
+    with pytest.raises(AssertionError, match="differs"):
+        _assert_update_matches(tiny_model("qwen2", "sdpa_varlen"), _grpo_batch(26), budget=200, loss_type="dapo")
+
+
+def test_lora_update_with_the_base_as_reference_shared_equals_unshared():
+    pytest.importorskip("peft")
+    from dist_helpers import tiny_lora
+
+    from fastgrpo.distributed.runner import AdapterDisabled
+
+    model = tiny_lora()
+    _assert_update_matches(model, _grpo_batch(23), budget=60, ref=AdapterDisabled(model), loss_type="grpo", beta=0.1)
+
+
+def test_static_buckets_shared_equals_unshared():
+    from fastgrpo.distributed.runner import prepare_model
+
+    runner = prepare_model(tiny_model("llama", "sdpa_varlen"), ParallelConfig(token_buckets=[64, 128]),
+                           device="cpu", world_size=1)
+    want, _, _ = _grpo_run(runner, _grpo_batch(24), shared=False, budget=128, loss_type="dapo")
+    got, _, mbs = _grpo_run(runner, _grpo_batch(24), shared=True, budget=128, loss_type="dapo")
+    assert all(mb.num_tokens in (64, 128) for mb in mbs) and any(mb.shares_prefix for mb in mbs)
+    for name in want:
+        _assert_same(got[name], want[name], f"grad {name}")
+
+
+def test_ppo_update_and_critic_values_shared_equal_unshared():
+    """PPO (two epochs, a KL penalty from a reference): the critic's values, and after the update both models'
+    weights (lr 0.5: any difference in gradients shows)."""
+    from dist_helpers import tiny_qwen2
+
+    from fastgrpo.algorithms.critic import attach_value_head, packed_values
+    from fastgrpo.algorithms.ppo import PPOBatch, ppo_update
+
+    batch = _grpo_batch(25)
+    batch = PPOBatch(prompt_ids=batch.prompt_ids, completion_ids=batch.completion_ids,
+                     rewards=torch.randn(len(batch.prompt_ids), generator=torch.Generator().manual_seed(1)))
+    n = sum(map(len, batch.completion_ids))
+    results = {}
+    for shared in (False, True):
+        policy, ref = tiny_qwen2(0), tiny_qwen2(2).requires_grad_(False)
+        critic = attach_value_head(tiny_qwen2(1), seed=3)
+        mbs = _packed(batch.prompt_ids, batch.completion_ids, 40, shared=shared)
+        values = packed_values(critic, mbs, n)  # [N]
+        metrics = StepMetrics()
+        ppo_update(policy, critic, batch, grpo=GRPOConfig(loss_type="grpo", max_tokens_per_microbatch=40,
+                                                          head_backend="torch", shared_prefix=str(shared).lower()),
+                   ppo=PPOConfig(gamma=0.95, lam=0.9, kl_coef=0.05, num_ppo_epochs=2, vf_coef=0.5),
+                   rollout=RolloutConfig(max_completion_length=16),
+                   optimizer=torch.optim.SGD(policy.parameters(), lr=0.5),
+                   critic_optimizer=torch.optim.SGD(critic.parameters(), lr=0.5), max_grad_norm=0.0,
+                   metrics=metrics, device="cpu", ref_model=ref, seed=7)
+        results[shared] = values, dict(policy.named_parameters()), dict(critic.named_parameters()), metrics.reduce()
+    (v0, p0, c0, m0), (v1, p1, c1, m1) = results[False], results[True]
+    _assert_same(v1, v0, "values")
+    for name in p0:
+        _assert_same(p1[name].detach(), p0[name].detach(), f"policy {name}")
+    for name in c0:
+        _assert_same(c1[name].detach(), c0[name].detach(), f"critic {name}")
+    for key in ("loss", "critic/loss", "critic/explained_variance"):
+        _assert_same(torch.tensor(m1[key]), torch.tensor(m0[key]), key)
+    assert m1["perf/update_tokens_forwarded"] < m0["perf/update_tokens_forwarded"]

@@ -27,7 +27,8 @@ from fastgrpo.distributed.runner import ModelRunner, as_runner
 from fastgrpo.models.packing import MicroBatch
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update.guard import NonFiniteGuard
-from fastgrpo.update.step import microbatch_tokens, optimizer_update, packed_logprobs, plan_step
+from fastgrpo.update.step import (count_update_tokens, microbatch_tokens, optimizer_update, packed_logprobs,
+                                  plan_step, shares_prefix)
 
 __all__ = ["GRPO", "GRPOBatch", "entropy_mask", "grpo_update", "sequence_numbers"]
 
@@ -96,7 +97,7 @@ def grpo_update(model: ModelRunner | torch.nn.Module, batch: GRPOBatch, *, grpo:
     plan = plan_step(batch.prompt_ids, batch.completion_ids,
                      max_tokens_per_microbatch or microbatch_tokens(grpo.max_tokens_per_microbatch, device),
                      device=device, pad_token_id=pad_token_id, counted_tokens=counted,
-                     buckets=model.token_buckets)
+                     buckets=model.token_buckets, shared_prefix=shares_prefix(grpo.shared_prefix, model))
     mbs = plan.mbs
     # [N] (model tokens only while model_mask is set)
     weights = loss_type_weights(grpo.loss_type, model_lens, plan, max_completion_length=rollout.max_completion_length)
@@ -139,7 +140,7 @@ def grpo_update(model: ModelRunner | torch.nn.Module, batch: GRPOBatch, *, grpo:
     for _ in range(grpo.num_iterations):
         optimizer_update(model, mbs, head_loss, optimizer=optimizer, scheduler=scheduler,
                          max_grad_norm=max_grad_norm, metrics=metrics, loss_divisor=grpo.num_iterations, guard=guard)
-    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_real_tokens for mb in mbs))))
+    count_update_tokens(metrics, mbs)
     if keep is not None:
         metrics.moments((~keep).float(), "policy/masked_seq_frac")
     if batch.sil_mask is not None:

@@ -45,7 +45,8 @@ from fastgrpo.distributed.runner import ModelRunner, as_runner
 from fastgrpo.models.packing import MicroBatch, completion_offsets
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update.guard import NonFiniteGuard
-from fastgrpo.update.step import microbatch_tokens, optimizer_update, packed_logprobs, plan_step
+from fastgrpo.update.step import (count_update_tokens, microbatch_tokens, optimizer_update, packed_logprobs,
+                                  plan_step, shares_prefix)
 
 __all__ = ["PPO", "PPOBatch", "clipped_value_loss", "gae", "mini_batches", "ppo_update", "token_rewards",
            "total_updates", "whiten"]
@@ -188,8 +189,10 @@ def ppo_update(policy: ModelRunner | torch.nn.Module, critic: ModelRunner | torc
     n_tok = sum(lens)
     budget = max_tokens_per_microbatch or microbatch_tokens(grpo.max_tokens_per_microbatch, device)
     buckets = policy.token_buckets  # the critic is prepared with the same settings
+    # one layout for the policy, the reference and the critic: shared where all of them can attend it
+    shared = shares_prefix(grpo.shared_prefix, policy) and shares_prefix(grpo.shared_prefix, critic)
     plan = plan_step(batch.prompt_ids, batch.completion_ids, budget, device=device, pad_token_id=pad_token_id,
-                     buckets=buckets)
+                     buckets=buckets, shared_prefix=shared)
     objective = PolicyObjective.from_config(grpo, rollout, device)
     logprobs = partial(packed_logprobs, mbs=plan.mbs, num_tokens=n_tok, temperature=rollout.temperature,
                        backend=objective.backend)
@@ -221,7 +224,7 @@ def ppo_update(policy: ModelRunner | torch.nn.Module, critic: ModelRunner | torc
         for part in mini_batches(len(lens), ppo.num_mini_batches, g):
             p_lens = [lens[i] for i in part]
             sub = plan_step([batch.prompt_ids[i] for i in part], [batch.completion_ids[i] for i in part], budget,
-                            device=device, pad_token_id=pad_token_id, buckets=buckets)
+                            device=device, pad_token_id=pad_token_id, buckets=buckets, shared_prefix=shared)
             w = loss_type_weights(grpo.loss_type, p_lens, sub, max_completion_length=rollout.max_completion_length,
                                   device=device)  # [n_part]
             at = _flat_index(part, lens, device)  # [n_part]: the part's tokens in the step's layout
@@ -237,7 +240,7 @@ def ppo_update(policy: ModelRunner | torch.nn.Module, critic: ModelRunner | torc
                                                       w=w * ppo.vf_coef, cliprange=ppo.cliprange_value),
                              optimizer=critic_optimizer, scheduler=critic_scheduler, max_grad_norm=max_grad_norm,
                              metrics=metrics, loss_divisor=updates, guard=critic_guard, role="critic")
-    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_real_tokens for mb in plan.mbs) * updates)))
+    count_update_tokens(metrics, plan.mbs, updates)
 
 
 def _value_loss(mb: MicroBatch, hidden: torch.Tensor, weight: torch.Tensor, *, old_values: torch.Tensor,

@@ -17,7 +17,7 @@ from fastgrpo.models.packing import MicroBatch
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update.guard import NonFiniteGuard
 from fastgrpo.update.head import TokenHead
-from fastgrpo.update.step import gather_ints, optimizer_update, plan_step
+from fastgrpo.update.step import count_update_tokens, gather_ints, optimizer_update, plan_step
 
 __all__ = ["sft_update", "sft_weights"]
 
@@ -69,5 +69,5 @@ def sft_update(model: ModelRunner | torch.nn.Module, prompt_ids: list[list[int]]
     model.train()
     optimizer_update(model, mbs, head_loss, optimizer=optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm,
                      metrics=metrics, guard=guard)
-    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_real_tokens for mb in mbs))))
+    count_update_tokens(metrics, mbs)
     return mbs

@@ -124,6 +124,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin is Literal:  # the value's type here; membership in validate(), with registry fields
+        if isinstance(value, bool) and str(value).lower() in args:  # YAML's true / false for a 'true' / 'false' choice
+            return str(value).lower()
         return _coerce(value, type(args[0]), path)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:

@@ -365,6 +365,11 @@ class GRPOConfig:
     first update from the free GPU memory, 4096 to 32768 tokens (fastgrpo.update.microbatch: each micro-batch costs a
     trunk's worth of dispatched ops, so fewer, larger ones are faster), and printed; a resume sizes it again (the
     sum of the gradients does not depend on it, its rounding does). PPO's update keeps 4096."""
+    shared_prefix: Literal["auto", "true", "false"] = "auto"
+    """The update and the log-prob passes (GRPO, PPO and its critic) forward each prompt once per packed row for all
+    the completions of its group there (fastgrpo.models.packing, "Shared prefixes"; the same log-probs and
+    gradients): 'auto' wherever the attention can (sdpa, sdpa_varlen, torch_varlen, varlen_op; not compiled or
+    CUDA-graphed blocks), 'true' (an error where it cannot), 'false'."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """'token' (GRPO: one ratio per token) or 'sequence' (GSPO: exp(mean over the sequence of logp - old), shared by
     its tokens, clipped at sequence_epsilon_low / sequence_epsilon_high)."""

@@ -158,5 +158,8 @@ def add_throughput(record: dict[str, float], *, rollout_s: float, update_s: floa
     """
     record["perf/rollout_tokens_per_s"] = record["perf/rollout_tokens"] / max(rollout_s, 1e-9)
     record["perf/update_tokens_per_s"] = record["perf/update_tokens"] * num_iterations / max(update_s, 1e-9)
+    if "perf/update_tokens_forwarded" in record:  # the tokens the trunk ran (shared prefixes once), beside them
+        record["perf/update_tokens_forwarded_per_s"] = (record["perf/update_tokens_forwarded"] * num_iterations
+                                                        / max(update_s, 1e-9))
     record["perf/tokens_per_s"] = ((record["perf/rollout_tokens"] + record["perf/update_tokens"])
                                    / max(rollout_s + update_s, 1e-9))

@@ -6,10 +6,13 @@ __all__ = ["ProgressBar"]
 
 
 class ProgressBar:
-    """tqdm bar: step, ETA and those of reward (GRPO), loss (SFT), completion length, tokens/s the record has."""
+    """tqdm bar: step, ETA and those of reward (GRPO), loss (SFT), completion length, tokens/s (the sequences' own
+    tokens) and the update's forwarded tokens beside its sequences' (fewer with shared prompt prefixes) the record
+    has."""
 
     FIELDS = (("reward", "reward/mean", "{:.3f}"), ("loss", "sft/nll", "{:.3f}"), ("len", "completion/len_mean", "{:.0f}"),
-              ("tok/s", "perf/tokens_per_s", "{:.0f}"))
+              ("tok/s", "perf/tokens_per_s", "{:.0f}"), ("upd tok", "perf/update_tokens", "{:.0f}"),
+              ("fwd", "perf/update_tokens_forwarded", "{:.0f}"))
 
     def __init__(self, total: int, initial: int, enabled: bool, desc: str = "grpo") -> None:
         from tqdm.auto import tqdm

@@ -32,14 +32,17 @@ import torch
 from fastgrpo.distributed import groups as fdist
 from fastgrpo.distributed.runner import ModelRunner, as_runner
 from fastgrpo.kernels import linear_logprobs
-from fastgrpo.models.packing import MicroBatch, pack, plan_microbatches, resolve_buckets, split_to_count
+from fastgrpo.models.attention import use_shared_prefix
+from fastgrpo.models.packing import (MicroBatch, pack, plan_microbatches, plan_shared_microbatches, prefix_groups,
+                                     resolve_buckets, split_to_count)
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update.guard import NonFiniteGuard
 from fastgrpo.update.head import TokenHead
 from fastgrpo.update.master_weights import gradients_for_clipping
 
 __all__ = ["DEFAULT_MICROBATCH_TOKENS", "HeadLoss", "StepPlan", "gather_ints", "microbatch_tokens",
-           "optimizer_update", "packed_logprobs", "plan_packed", "plan_step"]
+           "count_update_tokens", "optimizer_update", "packed_logprobs", "plan_packed", "plan_step",
+           "shares_prefix"]
 
 HeadLoss = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``head_loss(mb, hidden [n, H], lm_head_weight [V, H]) -> (loss, stats)``: loss a scalar whose gradients add up
@@ -83,18 +86,32 @@ class StepPlan:
     """``counted_tokens`` summed over all ranks."""
 
 
+def shares_prefix(setting: str, runner) -> bool:
+    """Whether the packed passes on ``runner`` (a ``fastgrpo.distributed.runner.ModelRunner``, or a module) share
+    each group's prompt prefix: ``setting`` is ``grpo.shared_prefix`` ('auto': wherever the model's attention can,
+    with eager blocks; 'true' where it cannot: a ValueError naming both keys)."""
+    module = getattr(runner, "module", runner)
+    config = getattr(module, "config", None)
+    return use_shared_prefix(setting, impl=getattr(config, "_attn_implementation", None), config=config,
+                             static_shapes=bool(getattr(runner, "block_forwards", None)))
+
+
 def plan_step(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_tokens: int, *,
               device: torch.device | str, pad_token_id: int = 0, counted_tokens: int | None = None,
-              buckets: Sequence[int] | str = ()) -> StepPlan:
+              buckets: Sequence[int] | str = (), shared_prefix: bool = False) -> StepPlan:
     """First-fit-decreasing micro-batches under ``max_tokens``, split or padded to the same count on every rank, and
     the global number of sequences and of ``counted_tokens`` (default: every completion token of this rank), all
     from one collective. ``buckets``: the token buckets each row is padded to (the runner's ``token_buckets``, set by
     ``prepare_model``; 'auto' resolves against ``max_tokens``); () = no padding. A padded row's shapes are
     kept to a few values, each one compiled graph or one set of CUDA graphs: its ``max_seqlen`` is the step's
     longest sequence (over all ranks) rounded up to a power of two (at least ``MIN_PADDED_SEQLEN``; at most the
-    row's bucket), its ``cu_seqlens`` the power of two >= the entries it uses (:func:`_fewer_boundaries`)."""
+    row's bucket), its ``cu_seqlens`` the power of two >= the entries it uses (:func:`_fewer_boundaries`).
+    ``shared_prefix`` (:func:`shares_prefix`): the sequences with the same prompt hold it once per row
+    (``fastgrpo.models.packing``, "Shared prefixes"), a group kept in one row where it fits the budget."""
     seq_lens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
-    bins = plan_microbatches(seq_lens, max_tokens)
+    groups = prefix_groups(prompt_ids) if shared_prefix else None
+    bins = plan_microbatches(seq_lens, max_tokens) if groups is None else plan_shared_microbatches(
+        seq_lens, groups, max_tokens)
     counted = sum(len(c) for c in completion_ids) if counted_tokens is None else counted_tokens
     ranks = gather_ints([len(seq_lens), counted, len(bins), max(seq_lens, default=0)], device=device)  # [world][4]
     # FSDP: every rank must run the same number of forward/backward calls (collectives per block)
@@ -103,7 +120,7 @@ def plan_step(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_
     # padded rows: max_seqlen the step's longest sequence over all ranks, rounded up to a power of two
     max_seqlen = _power_of_two(max(r[3] for r in ranks), MIN_PADDED_SEQLEN) if buckets else None
     mbs = pack(prompt_ids, completion_ids, bins, device=device, pad_token_id=pad_token_id, buckets=buckets,
-               max_seqlen=max_seqlen)
+               max_seqlen=max_seqlen, groups=groups)
     return StepPlan(mbs=[_fewer_boundaries(mb, buckets) for mb in mbs],
                     num_sequences=sum(r[0] for r in ranks), num_tokens=sum(r[1] for r in ranks))
 
@@ -133,7 +150,17 @@ def _fewer_boundaries(mb: MicroBatch, buckets: Sequence[int]) -> MicroBatch:
         return mb
     used = len(mb.segment_lengths) + 1
     keep = min(mb.cu_seqlens.numel(), _power_of_two(used, MIN_BOUNDARIES))
-    return replace(mb, cu_seqlens=mb.cu_seqlens[:keep], max_seqlen=min(mb.max_seqlen, mb.num_tokens))
+    return replace(mb, cu_seqlens=mb.cu_seqlens[:keep], max_seqlen=min(mb.max_seqlen, mb.num_tokens),
+                   cu_seqlens_k=None if mb.cu_seqlens_k is None else mb.cu_seqlens_k[:keep])
+
+
+def count_update_tokens(metrics: StepMetrics, mbs: list[MicroBatch], passes: int = 1) -> None:
+    """Log ``perf/update_tokens``, the sequences' own tokens in ``mbs`` (prompt + completion each, as a trainer
+    without shared prefixes forwards them: what throughput compares across trainers), and beside it
+    ``perf/update_tokens_forwarded``, the tokens the trunk ran (each shared prefix once, no bucket padding); each
+    ``passes`` times (PPO's updates over one plan)."""
+    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_sequence_tokens for mb in mbs) * passes)))
+    metrics.total("perf/update_tokens_forwarded", torch.tensor(float(sum(mb.num_real_tokens for mb in mbs) * passes)))
 
 
 def plan_packed(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_tokens: int, *,
