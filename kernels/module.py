@@ -10,22 +10,24 @@ per-row statistics back into ``[B, T]``. Selecting the rows costs one host sync 
 TRL's own fused head on Triton devices; in exchange the lm_head products run on real tokens only.
 
 ``FusedLinearGRPOLoss`` takes ``LigerFusedLinearGRPOLoss``'s constructor options and call (Liger-Kernel 0.8), so
-a Liger user swaps one import. Its loss types, normalisers and metrics are Liger's, read from one table
-(``LIGER_LOSS_TYPES``); the tests pin them against Liger 0.8.5 itself and a plain-torch reference of its
-definitions. Options it cannot serve are refused when the module is built.
+a Liger user swaps one import. Its loss types, normalisers and metrics are Liger's, read from the ``liger`` column
+of the loss-type table (``loss_types.LOSS_TYPES``); the tests pin them against Liger 0.8.5 itself and a plain-torch
+reference of its definitions. Options it cannot serve are refused when the module is built.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import dataclasses
 
 import torch
 
-from .grpo_loss import linear_grpo_loss
+from .grpo_loss import fused_grpo_loss
 from .logprobs import linear_logprobs
-from .objective import clip_masks
+from .loss_types import LOSS_TYPES, BatchCounts
+from .settings import LossSettings
+from .terms import clip_masks
 
-__all__ = ["FusedLinearGRPOLoss", "LIGER_LOSS_TYPES", "LigerLossType", "padded_grpo_loss", "padded_logprobs"]
+__all__ = ["FusedLinearGRPOLoss", "liger_weights", "padded_grpo_loss", "padded_logprobs"]
 
 
 def _check_padded(hidden, targets, mask, vectors: dict) -> tuple[int, int]:
@@ -98,10 +100,10 @@ def padded_logprobs(hidden, weight, targets, mask, *, bias=None, temperature=1.0
     return _scatter(out[0], rows, b, t), _scatter(out[1], rows, b, t)
 
 
-def padded_grpo_loss(hidden, weight, targets, mask, advantages, token_weights, *, kl_token_weights=None,
-                     old_logprobs=None, ref_logprobs=None, importance_sampling_level="token", bias=None,
-                     ratio_mask=None, **objective):
-    """``linear_grpo_loss`` on a padded batch. Returns ``(loss, stats)``.
+def padded_grpo_loss(hidden, weight, targets, mask, advantages, token_weights, settings=LossSettings(), *,
+                     kl_token_weights=None, old_logprobs=None, ref_logprobs=None, bias=None, ratio_mask=None,
+                     return_entropy=False, backend="auto", chunk_size=None):
+    """``fused_grpo_loss`` on a padded batch. Returns ``(loss, stats)``.
 
     Args:
         hidden ``[B, T, H]``: the hidden state that predicts each completion token (already shifted by one).
@@ -110,36 +112,34 @@ def padded_grpo_loss(hidden, weight, targets, mask, advantages, token_weights, *
         advantages: ``[B]`` (one per sequence) or ``[B, T]``.
         token_weights ``[B, T]``: the policy term's weight per token (normaliser, and any entropy mask or sampler
             ratio); kl_token_weights ``[B, T]`` the KL term's (None: the policy weights).
+        settings: the loss's ``LossSettings``; at ``importance_sampling_level="sequence"`` (GSPO) the ratio is the
+            mean over the sequence's rows of nonzero weight in either term, which are all its masked rows when
+            ``kl_token_weights`` is nonzero on them.
         old_logprobs, ref_logprobs ``[B, T]``: as in ``linear_grpo_loss``.
-        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO: the ratio is the mean over the
-            sequence's rows of nonzero weight in either term, which are all its masked rows when
-            ``kl_token_weights`` is nonzero on them).
         ratio_mask ``[B, T]`` or None: at the sequence level, the rows whose log-ratio the sequence's mean takes
             (None: every row of ``mask``); a kept row outside it is a sequence of its own (Liger's luspo weighs
             padding positions, which its sequence ratio leaves out).
-        objective: the other keyword arguments of ``linear_grpo_loss`` (epsilons, delta, beta, temperature, ...).
+        return_entropy, backend, chunk_size: as in ``linear_grpo_loss``.
 
     Returns:
         ``loss`` as ``linear_grpo_loss``'s, and its ``stats`` with ``logprobs`` (and ``entropy``) as ``[B, T]``. No
         row kept (B = 0, T = 0 or an all-zero mask): a loss of 0 whose gradients are 0, and ``logprobs`` of 0.
     """
-    if importance_sampling_level not in ("token", "sequence"):
-        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
     b, t = _check_padded(hidden, targets, mask, {
         "advantages": advantages, "token_weights": token_weights, "kl_token_weights": kl_token_weights,
         "old_per_token_logps": old_logprobs, "ref_per_token_logps": ref_logprobs})
     rows = _rows(mask)
     if rows.numel() == 0:  # nothing to score: the flat ops would get 0 rows; the sum over no token is 0
-        return _empty_loss(hidden, weight, bias, b, t, objective.get("return_entropy", False))
-    extra = dict(objective, bias=bias)
+        return _empty_loss(hidden, weight, bias, b, t, return_entropy)
+    extra = dict(bias=bias, return_entropy=return_entropy, backend=backend, chunk_size=chunk_size)
     if kl_token_weights is not None:
         extra["kl_token_weights"] = kl_token_weights.reshape(-1)[rows]
-    if importance_sampling_level == "sequence":
+    if settings.sequence_level:
         own = None if ratio_mask is None else ratio_mask.reshape(-1)[rows] == 0  # [N]
         extra["sequence_index"] = _sequence_numbers(rows // t, b, own)
-    loss, stats = linear_grpo_loss(
+    loss, stats = fused_grpo_loss(
         hidden.reshape(b * t, -1).index_select(0, rows), weight, targets.reshape(-1)[rows],
-        _per_row(advantages, rows, t), token_weights.reshape(-1)[rows],
+        _per_row(advantages, rows, t), token_weights.reshape(-1)[rows], settings,
         old_logprobs=_per_row(old_logprobs, rows, t), ref_logprobs=_per_row(ref_logprobs, rows, t), **extra)
     for key in ("logprobs", "entropy"):
         if key in stats:
@@ -163,54 +163,30 @@ def _empty_loss(hidden, weight, bias, b, t, return_entropy):
 # ------------------------------------------------------------------------------------ Liger's loss types
 
 
-def _dapo_divisor(mask, num_items_in_batch):
-    """Liger's dapo / cispo divisor: the global token count per rank (``num_items_in_batch`` when given, else the
-    mask's count summed over ranks), divided by the world size."""
+def _global_tokens(mask, num_items_in_batch):
+    """Liger's dapo / cispo count: the generation batch's tokens per rank (``num_items_in_batch`` when given, else
+    the mask's count summed over ranks, a collective), divided by the world size."""
     world = torch.distributed.get_world_size() if _distributed() else 1
     if num_items_in_batch is not None:
-        return (torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=mask.device) / world).clamp(min=1.0)
+        return torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=mask.device) / world
     total = mask.sum()
     if world > 1:
         total = total.clone()
         torch.distributed.all_reduce(total)
-    return (total / world).clamp(min=1.0)
+    return total / world
 
 
-class LigerLossType(NamedTuple):
-    """How Liger-Kernel 0.8.5 weighs one ``loss_type``: its policy term and the weight of each position."""
-
-    term: str
-    """The kernel's per-token policy term (a key of ``objective.POLICY_LOSSES``)."""
-    weights: Callable
-    """``(mask [B, T] float32, max_completion_length, num_items_in_batch) -> [B, T]``: each position's weight in
-    the loss sum (Liger's normaliser, as a weight)."""
-    sequence_level: bool = True
-    """Whether Liger serves ``importance_sampling_level="sequence"`` for it."""
-    every_position: bool = False
-    """The padding positions are weighted too (luspo): their rows go to the kernel, and the sequence-level ratio
-    still reads the masked rows only."""
-    needs_max_completion_length: bool = False
-    """Its normaliser reads ``max_completion_length`` (dr_grpo), which must then be given."""
-
-
-LIGER_LOSS_TYPES: dict[str, LigerLossType] = {
-    # mean over sequences of each sequence's token mean
-    "grpo": LigerLossType("clip", lambda m, L, n: m / (m.sum(-1, keepdim=True).clamp(min=1.0) * m.shape[0])),
-    "sapo": LigerLossType("sapo", lambda m, L, n: m / (m.sum(-1, keepdim=True).clamp(min=1.0) * m.shape[0]),
-                          sequence_level=False),
-    # the micro-batch's token count
-    "bnpo": LigerLossType("clip", lambda m, L, n: m / m.sum().clamp(min=1.0)),
-    # B * max_completion_length
-    "dr_grpo": LigerLossType("clip", lambda m, L, n: m / m.new_tensor(float(m.shape[0] * L)),
-                             needs_max_completion_length=True),
-    # the global token count per rank
-    "dapo": LigerLossType("clip", lambda m, L, n: m / _dapo_divisor(m, n)),
-    "cispo": LigerLossType("cispo", lambda m, L, n: m / _dapo_divisor(m, n), sequence_level=False),
-    # TRL's luspo as Liger writes it, unmasked: each position of sequence i weighs L_i / (B * T), padding included
-    "luspo": LigerLossType("clip", lambda m, L, n: (m.sum(-1, keepdim=True) / max(m.numel(), 1)).expand_as(m),
-                           every_position=True),
-}
-"""Liger's loss types, the one place the module reads them from (vespo is refused: see the class docstring)."""
+def liger_weights(loss_type: str, mask: torch.Tensor, max_completion_length: int | None = None,
+                  num_items_in_batch=None) -> torch.Tensor:
+    """``[B, T]``: each position's weight in the loss sum under Liger's normaliser of ``loss_type`` (the
+    ``liger`` column of ``LOSS_TYPES``), over the micro-batch ``mask`` ``[B, T]`` float32; nonzero on the padding
+    positions too where the normaliser weighs every position (luspo)."""
+    normaliser = LOSS_TYPES[loss_type].liger
+    b, t = mask.shape
+    counts = BatchCounts(num_sequences=b, num_tokens=mask.sum(), max_completion_length=max_completion_length,
+                         global_tokens_of=lambda: _global_tokens(mask, num_items_in_batch), num_positions=b * t)
+    positions = torch.ones_like(mask) if normaliser.every_position else mask
+    return positions * normaliser(mask.sum(-1), counts)[:, None]
 
 
 class FusedLinearGRPOLoss(torch.nn.Module):
@@ -221,7 +197,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         ``clip`` types (grpo, bnpo, dr_grpo, dapo, luspo): ``l = -min(min(r, delta) A, clip(r, 1-eps_lo, 1+eps_hi) A)``
         ``cispo``: ``l = -sg(min(r, eps_hi)) A logp``;  ``sapo``: ``l = -sigmoid(tau (r - 1)) 4 / tau  A``
         (``tau`` = sapo_temperature_pos if A > 0 else _neg); then ``l = rho l + beta k3`` (k3 times ``r`` with
-        ``use_bias_correction_kl``). The loss sums ``m l`` under Liger's normaliser (``LIGER_LOSS_TYPES``): grpo/sapo
+        ``use_bias_correction_kl``). The loss sums ``m l`` under Liger's normaliser (``liger_weights``): grpo/sapo
         the mean over sequences of each sequence's token mean, bnpo the batch's token count, dr_grpo ``B *
         max_completion_length``, dapo/cispo ``num_items_in_batch`` (else the token count summed over ranks)
         divided by the world size; luspo sums ``l`` over every position, padding included, each weighted by its
@@ -251,34 +227,28 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                  vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0, *,
                  backend: str = "auto"):
         super().__init__()
-        if loss_type not in LIGER_LOSS_TYPES:
+        served = [name for name, row in LOSS_TYPES.items() if row.liger is not None]
+        if loss_type not in served:
             raise ValueError(f"loss_type={loss_type!r} is not served by fastgrpo's FusedLinearGRPOLoss "
-                             f"({', '.join(LIGER_LOSS_TYPES)})")
-        kind = LIGER_LOSS_TYPES[loss_type]
-        if kind.needs_max_completion_length and max_completion_length is None:
+                             f"({', '.join(served)})")
+        kind = LOSS_TYPES[loss_type]
+        self.settings = LossSettings(
+            policy_loss=kind.term, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
+            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+            use_bias_correction_kl=use_bias_correction_kl, importance_sampling_level=importance_sampling_level,
+            temperature=temperature)  # the loss's settings, checked here once
+        if kind.liger.reads_max_completion_length and max_completion_length is None:
             raise ValueError(f"max_completion_length must be given for loss_type={loss_type!r}")
-        if importance_sampling_level not in ("token", "sequence"):
-            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got "
-                             f"{importance_sampling_level!r}")
-        if importance_sampling_level == "sequence" and not kind.sequence_level:
+        if self.settings.sequence_level and not kind.liger_sequence_level:
             raise ValueError(f"importance_sampling_level='sequence' is not supported for loss_type={loss_type!r} "
                              "(as in Liger)")
-        if (kind.every_position and importance_sampling_level == "sequence" and beta != 0.0 and use_ref_model
+        if (kind.liger.every_position and self.settings.sequence_level and beta != 0.0 and use_ref_model
                 and use_bias_correction_kl):
             raise ValueError(f"use_bias_correction_kl with loss_type={loss_type!r} at importance_sampling_level="
                              "'sequence' and beta != 0 is not served by fastgrpo's FusedLinearGRPOLoss (Liger's "
                              "padding positions take the sequence's ratio into their KL term)")
-        if sapo_temperature_pos <= 0 or sapo_temperature_neg <= 0:
-            raise ValueError(f"sapo_temperature_pos / sapo_temperature_neg must be > 0, got "
-                             f"{sapo_temperature_pos}, {sapo_temperature_neg}")
-        if delta is not None and delta <= 0:
-            raise ValueError(f"delta must be > 0, got {delta}")
-        self.beta, self.compiled, self.use_ref_model, self.chunk_size = beta, compiled, use_ref_model, chunk_size
-        self.epsilon_low, self.epsilon_high, self.loss_type = epsilon_low, epsilon_high, loss_type
-        self.max_completion_length = max_completion_length
-        self.importance_sampling_level = importance_sampling_level
-        self.sapo_temperature_pos, self.sapo_temperature_neg = sapo_temperature_pos, sapo_temperature_neg
-        self.temperature, self.delta, self.use_bias_correction_kl = temperature, delta, use_bias_correction_kl
+        self.loss_type, self.max_completion_length = loss_type, max_completion_length
+        self.compiled, self.use_ref_model, self.chunk_size = compiled, use_ref_model, chunk_size
         self.vespo_k_pos, self.vespo_lambda_pos = vespo_k_pos, vespo_lambda_pos
         self.vespo_k_neg, self.vespo_lambda_neg = vespo_k_neg, vespo_lambda_neg
         self.backend = backend
@@ -296,21 +266,22 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             "old_per_token_logps": old_per_token_logps, "vllm_is_ratio": vllm_is_ratio})
         if advantages.dim() != 1:
             raise ValueError(f"advantages must be [B]={b} (one per sequence), got {tuple(advantages.shape)}")
-        kind = LIGER_LOSS_TYPES[self.loss_type]
+        every_position = LOSS_TYPES[self.loss_type].liger.every_position
         # luspo's KL term reads the padding positions too: the reference head must score every position
         ref = self._reference(ref_per_token_logps, ref_input, ref_weight, ref_bias, lin_weight, selected_token_ids,
-                              torch.ones_like(attention_mask) if kind.every_position else attention_mask)
+                              torch.ones_like(attention_mask) if every_position else attention_mask)
         # without use_ref_model Liger's reference is the policy itself: k3 and its gradient are 0
-        beta = self.beta if ref is not None else 0.0
+        settings = self.settings if ref is not None else dataclasses.replace(self.settings, beta=0.0)
+        beta = settings.beta
         mask = attention_mask.to(torch.float32)  # [B, T]
-        weights = kind.weights(mask, self.max_completion_length, num_items_in_batch)  # [B, T]
+        weights = liger_weights(self.loss_type, mask, self.max_completion_length, num_items_in_batch)  # [B, T]
         policy_weights, kl_weights = weights, None
         if vllm_is_ratio is not None:  # the ratio weighs the policy term only; the KL term keeps the plain weights
             policy_weights, kl_weights = weights * vllm_is_ratio.float().reshape(b, -1), weights
         rows, ratio_mask = attention_mask, None
-        if kind.every_position:
+        if every_position:
             rows, ratio_mask = torch.ones_like(attention_mask), attention_mask
-            if self.importance_sampling_level == "sequence":
+            if settings.sequence_level:
                 # the policy term is one value per sequence there, so its weight over every position folds onto the
                 # rows its ratio reads; the padding rows keep the KL term alone
                 policy_weights = mask * policy_weights.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
@@ -319,20 +290,16 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                 if beta == 0.0:  # no KL term: the padding rows carry nothing
                     rows, kl_weights = attention_mask, None
         loss, stats = padded_grpo_loss(
-            _input, lin_weight, selected_token_ids, rows, advantages, policy_weights,
+            _input, lin_weight, selected_token_ids, rows, advantages, policy_weights, settings,
             kl_token_weights=kl_weights, old_logprobs=old_per_token_logps, ref_logprobs=ref if beta else None,
-            importance_sampling_level=self.importance_sampling_level, bias=bias, ratio_mask=ratio_mask,
-            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.delta, beta=beta,
-            temperature=self.temperature, backend=self.backend, policy_loss=kind.term,
-            sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
-            use_bias_correction_kl=self.use_bias_correction_kl)
+            bias=bias, ratio_mask=ratio_mask, backend=self.backend)
         metrics = self._metrics(stats["logprobs"], mask, advantages, old_per_token_logps, ref, beta)
         return loss, metrics
 
     def _reference(self, ref_logps, ref_input, ref_weight, ref_bias, lin_weight, targets, scored):
         """The reference log-probs ``[B, T]`` Liger would use, or None (its KL term is then 0). From ``ref_input``
         they are computed where ``scored`` ``[B, T]`` is set (0 elsewhere): the positions the loss reads."""
-        if not self.use_ref_model or self.beta == 0.0:
+        if not self.use_ref_model or self.settings.beta == 0.0:
             return None  # Liger reads no reference without use_ref_model, and beta 0 needs none
         if ref_logps is not None:
             return ref_logps
@@ -341,26 +308,28 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                              "the same); pass one, or use_ref_model=False for a KL term of 0")
         with torch.no_grad():
             return padded_logprobs(ref_input, lin_weight if ref_weight is None else ref_weight, targets,
-                                   scored, bias=ref_bias, temperature=self.temperature, backend=self.backend)
+                                   scored, bias=ref_bias, temperature=self.settings.temperature,
+                                   backend=self.backend)
 
     @torch.no_grad()
     def _metrics(self, logp, mask, advantages, old, ref, beta):
         """Liger's ``(kl_mean, clip_ratio)`` from the log-probs ``[B, T]`` the loss computed."""
+        s = self.settings
         n = mask.sum().clamp(min=1.0)
         log_ratio = (logp - old.float()) * mask if old is not None else torch.zeros_like(logp)  # [B, T]
-        if self.importance_sampling_level == "sequence":
+        if s.sequence_level:
             log_ratio = (log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))  # [B, 1]
         ratio = torch.exp(log_ratio)
-        low, high = clip_masks(LIGER_LOSS_TYPES[self.loss_type].term, ratio, advantages.float()[:, None],
-                               epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high)
+        low, high = clip_masks(s.policy_loss, ratio, advantages.float()[:, None], epsilon_low=s.epsilon_low,
+                               epsilon_high=s.epsilon_high)
         clip_ratio = ((low | high).expand_as(mask) * mask).sum() / n
-        if self.beta == 0.0:
+        if s.beta == 0.0:
             return (clip_ratio,)
         if beta == 0.0:  # no reference read: Liger's KL is that of the policy with itself
             return (mask.new_zeros(()), clip_ratio)
         diff = ref.float() - logp
         kl = torch.exp(diff) - diff - 1.0
-        if self.use_bias_correction_kl:
+        if s.use_bias_correction_kl:
             kl = kl * ratio
         return ((kl * mask).sum() / n, clip_ratio)
 

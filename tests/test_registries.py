@@ -126,7 +126,6 @@ def test_registering_a_name_in_one_place_makes_config_accept_it():
         assert attention.choose_attn_implementation("my_attn", "cpu") == "my_attn"
     finally:
         losses.LOSS_TYPES.pop("seq_mean", None)
-        losses.POLICY_LOSS_OF.pop("seq_mean", None)
         rewards.REWARDS.pop("length_bonus", None)
         rollout.ENGINES.pop("scripted", None)
         attention.ATTN_BACKENDS.pop("my_attn", None)

@@ -8,9 +8,10 @@ tokens of one micro-batch, H hidden size, V vocabulary size.
     importance_weights  truncated importance weights [N] of the sampler's numerics (rollout.importance_sampling_cap)
     TokenInputs.build   weights, advantages, old / reference log-probs; the policy term's weights times its factors
                         (entropy mask, importance weights), the KL term's kept apart where they differ
-    PolicyObjective     the fused loss's settings read once from the config (grpo, rollout), and ``head_loss``: the
-                        head ``optimizer_update`` runs per micro-batch, logging the policy's statistics (a
-                        ``TokenHead``: gathered per-token tensors + a function of them, which a CUDA graph replays)
+    PolicyObjective     the fused loss's ``LossSettings``, built once from the config (grpo, rollout), and
+                        ``head_loss``: the head ``optimizer_update`` runs per micro-batch, logging the policy's
+                        statistics (a ``TokenHead``: gathered per-token tensors + a function of them, which a CUDA
+                        graph replays)
 
 As in TRL, the entropy mask and the importance weights scale the policy term only: the KL term keeps the plain
 normaliser, and so do GSPO's sequence means, which count every token.
@@ -18,13 +19,13 @@ normaliser, and so do GSPO's sequence means, which count every token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.algorithms.losses import POLICY_LOSS_OF, GlobalCounts, token_weights, truncated_importance_weights
+from fastgrpo.algorithms.losses import GlobalCounts, token_weights, truncated_importance_weights
 from fastgrpo.config import GRPOConfig, RolloutConfig
-from fastgrpo.kernels import POLICY_LOSSES, linear_grpo_loss, resolve_backend
+from fastgrpo.kernels import LossSettings, fused_grpo_loss, resolve_backend
 from fastgrpo.models.packing import MicroBatch
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update.head import TokenHead
@@ -118,43 +119,37 @@ class TokenInputs:
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyObjective:
-    """The fused GRPO-family loss's settings for a run, read once from its config."""
+    """The fused GRPO-family loss of a run: its settings, read once from the config, and the kernel path."""
 
+    settings: LossSettings
+    """The policy loss's settings (``GRPOConfig.loss_settings``), passed unchanged to the kernel."""
     backend: str
     """The resolved kernel path (a recompute path at the sequence level)."""
-    sequence_level: bool
-    """GSPO: one importance ratio per sequence (``grpo.importance_sampling_level``)."""
-    kernel: dict = field(default_factory=dict)
-    """``linear_grpo_loss``'s objective keywords: epsilons, delta, beta, temperature, policy term, ..."""
 
     @classmethod
     def from_config(cls, grpo: GRPOConfig, rollout: RolloutConfig, device: torch.device | str) -> "PolicyObjective":
-        sequence_level = grpo.importance_sampling_level == "sequence"
+        settings = grpo.loss_settings(temperature=rollout.temperature)
         # One kernel path for the loss and the old / reference log-probs: exp(logp - old) is exactly 1 while the
         # policy has not moved. Sequence level (GSPO) needs a recompute path: 'auto' then picks triton on CUDA.
-        backend = resolve_backend(grpo.head_backend, device, needs_grad=True, sequence_level=sequence_level)
-        policy_loss = POLICY_LOSS_OF[grpo.loss_type]
-        eps_low, eps_high = ((grpo.sequence_epsilon_low, grpo.sequence_epsilon_high) if sequence_level
-                             else (grpo.epsilon_low, grpo.epsilon_high))
-        if POLICY_LOSSES[policy_loss].bound_is_epsilon_high:  # cispo's cap at either level (TRL's one eps_max)
-            eps_high = grpo.epsilon_high
-        return cls(backend=backend, sequence_level=sequence_level, kernel=dict(
-            epsilon_low=eps_low, epsilon_high=eps_high, delta=grpo.delta, beta=grpo.beta,
-            temperature=rollout.temperature, backend=backend, return_entropy=True, policy_loss=policy_loss,
-            sapo_temperature_pos=grpo.sapo_temperature_pos, sapo_temperature_neg=grpo.sapo_temperature_neg,
-            use_bias_correction_kl=grpo.use_bias_correction_kl))
+        backend = resolve_backend(grpo.head_backend, device, needs_grad=True, sequence_level=settings.sequence_level)
+        return cls(settings=settings, backend=backend)
+
+    @property
+    def sequence_level(self) -> bool:
+        """GSPO: one importance ratio per sequence (``grpo.importance_sampling_level``)."""
+        return self.settings.sequence_level
 
     @property
     def separate_kl(self) -> bool:
         """Whether the KL term or the sequence means read weights of their own (see ``TokenInputs.build``)."""
-        return self.kernel["beta"] != 0.0 or self.sequence_level
+        return self.settings.beta != 0.0 or self.sequence_level
 
     def head_loss(self, inputs: TokenInputs, sequence_index: dict[int, torch.Tensor] | None = None) -> TokenHead:
         """``head_loss(mb, hidden [n, H], weight [V, H]) -> (loss, stats)`` of ``inputs`` for ``optimizer_update``;
         ``sequence_index``: ``id(mb)`` -> [n] sequence numbers (GSPO). Stats: ``policy/<POLICY_STATS>`` and
         ``policy/entropy`` over the tokens that get loss. A :class:`TokenHead`: rows whose tensors are all 0 (token
         weights 0) add nothing, so a CUDA graph can run it on padded rows."""
-        ref = inputs.ref_logprobs if self.kernel["beta"] != 0.0 else None
+        ref = inputs.ref_logprobs if self.settings.beta != 0.0 else None
         numbers = sequence_index or {}
         per_token = {"advantages": inputs.advantages, "weights": inputs.weights, "old_logprobs": inputs.old_logprobs,
                      "ref_logprobs": ref, "kl_weights": inputs.kl_weights}
@@ -166,7 +161,7 @@ class PolicyObjective:
                 out["sequence_index"] = numbers[id(mb)]
             return out
 
-        key = ("policy", self.sequence_level, tuple(sorted(self.kernel.items())))
+        key = ("policy", self.settings, self.backend)
         return TokenHead(compute=self.compute_loss, gather=gather, key=key)
 
     def compute_loss(self, hidden: torch.Tensor, weight: torch.Tensor, *, targets: torch.Tensor,
@@ -174,9 +169,10 @@ class PolicyObjective:
                      ref_logprobs: torch.Tensor | None = None, kl_weights: torch.Tensor | None = None,
                      sequence_index: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The fused loss of one micro-batch's rows (hidden [n, H], weight [V, H], the rest [n]) and its stats."""
-        loss, stats = linear_grpo_loss(
-            hidden, weight, targets, advantages, weights, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-            kl_token_weights=kl_weights, sequence_index=sequence_index, **self.kernel)
+        loss, stats = fused_grpo_loss(
+            hidden, weight, targets, advantages, weights, self.settings, old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs, kl_token_weights=kl_weights, sequence_index=sequence_index,
+            return_entropy=True, backend=self.backend)
         counted = weights != 0
         entropy = (stats["entropy"] * counted).sum() / counted.sum().clamp(min=1)  # over tokens that get loss
         return loss, {**{f"policy/{k}": stats[k] for k in POLICY_STATS if k in stats}, "policy/entropy": entropy}

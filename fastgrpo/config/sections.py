@@ -5,11 +5,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fastgrpo.config.loader import check, registry, registry_table
+from fastgrpo.config.loader import check, fail, registry
 
 __all__ = ["CheckpointConfig", "DataConfig", "EnvConfig", "EvalConfig", "GRPOConfig", "HFRolloutConfig", "LogConfig",
            "LoraConfig", "ModelConfig", "OptimConfig", "PPOConfig", "ParallelConfig", "RewardConfig", "RolloutConfig",
@@ -335,7 +336,7 @@ class GRPOConfig:
     """B: prompts per optimizer step (per rank)."""
     num_generations: int = 8
     """G: completions per prompt."""
-    loss_type: str = field(default="dapo", metadata=registry("fastgrpo.algorithms.losses:LOSS_TYPES"))
+    loss_type: str = field(default="dapo", metadata=registry("fastgrpo.kernels.loss_types:LOSS_TYPES"))
     """grpo | dapo (alias bnpo) | dr_grpo | luspo | cispo | sapo (TRL's loss types): how per-token losses are
     normalised over the global batch, and the per-token policy term (clip; cispo and sapo their own)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -400,28 +401,46 @@ class GRPOConfig:
     formed in forward, three products, bf16 logits as in TRL); 'triton' (float32 logits recomputed in backward:
     more precise, one product more); 'torch' (chunked, any device)."""
 
+    def loss_settings(self, temperature: float = 1.0):
+        """The policy loss's settings, a ``fastgrpo.kernels.LossSettings`` (which checks them), from this section
+        and the sampler's ``temperature``: built once per run and passed unchanged to the kernel."""
+        from fastgrpo.kernels import LossSettings  # here: kernels import torch (and triton)
+
+        return LossSettings(temperature=temperature, **{f: value for f, (_, value) in self._loss_fields().items()})
+
+    def _loss_fields(self) -> dict[str, tuple[str, Any]]:
+        """``LossSettings`` field -> (the key of this section that sets it, its value)."""
+        from fastgrpo.kernels import LOSS_TYPES, POLICY_LOSSES
+
+        term = LOSS_TYPES[self.loss_type].term
+        level = "sequence_" if self.importance_sampling_level == "sequence" else ""
+        # cispo's bound is epsilon_high itself at either level (TRL's one eps_max)
+        high = "epsilon_high" if POLICY_LOSSES[term].bound_is_epsilon_high else f"{level}epsilon_high"
+        keys = dict(epsilon_low=f"{level}epsilon_low", epsilon_high=high, delta="delta", beta="beta",
+                    sapo_temperature_pos="sapo_temperature_pos", sapo_temperature_neg="sapo_temperature_neg",
+                    use_bias_correction_kl="use_bias_correction_kl",
+                    importance_sampling_level="importance_sampling_level")
+        return {"policy_loss": ("loss_type", term), **{f: (key, getattr(self, key)) for f, key in keys.items()}}
+
     def validate(self, p: str) -> None:
         check(self.prompts_per_step >= 1, f"{p}.prompts_per_step", "must be >= 1")
         check(self.num_generations >= 2, f"{p}.num_generations",
               f"must be >= 2 (group statistics need two samples), got {self.num_generations}")
-        check(self.beta >= 0, f"{p}.beta", "must be >= 0")
-        check(0 <= self.epsilon_low < 1, f"{p}.epsilon_low", "must be in [0, 1)")
-        check(self.epsilon_high >= 0, f"{p}.epsilon_high", "must be >= 0")
-        from fastgrpo.kernels import POLICY_LOSSES  # here: kernels import torch (and triton)
+        check(self.epsilon_low < 1, f"{p}.epsilon_low", "must be in [0, 1)")
+        check(self.sequence_epsilon_low < 1, f"{p}.sequence_epsilon_low", "must be in [0, 1)")
+        from fastgrpo.kernels import LossSettingError  # here: kernels import torch (and triton)
 
-        term = registry_table("fastgrpo.algorithms.losses:POLICY_LOSS_OF").get(self.loss_type)
-        check(term is None or not POLICY_LOSSES[term].bound_is_epsilon_high or self.epsilon_high > 0,
-              f"{p}.epsilon_high", f"must be > 0 with loss_type {self.loss_type} (the truncation bound of its "
-              "importance weight; TRL suggests 5.0)")
-        check(self.sapo_temperature_pos > 0, f"{p}.sapo_temperature_pos", "must be > 0")
-        check(self.sapo_temperature_neg > 0, f"{p}.sapo_temperature_neg", "must be > 0")
+        for level in ("token", "sequence"):  # both levels' clip ranges, whichever the run uses
+            section = dataclasses.replace(self, importance_sampling_level=level)
+            try:
+                section.loss_settings()
+            except LossSettingError as e:  # the setting's own check, reported under this section's key
+                fail(f"{p}.{section._loss_fields()[e.field][0]}", e.reason)
         check(self.delta is None or self.delta > 1 + self.epsilon_high, f"{p}.delta",
               "must exceed 1 + epsilon_high")
         check(self.num_iterations >= 1, f"{p}.num_iterations", "must be >= 1")
         check(self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 1,
               f"{p}.max_tokens_per_microbatch", "must be >= 1 (or null: the device's default)")
-        check(0 <= self.sequence_epsilon_low < 1, f"{p}.sequence_epsilon_low", "must be in [0, 1)")
-        check(self.sequence_epsilon_high >= 0, f"{p}.sequence_epsilon_high", "must be >= 0")
         check(0 < self.top_entropy_quantile <= 1, f"{p}.top_entropy_quantile", "must be in (0, 1]")
         check(0 <= self.sil_top_k <= self.num_generations, f"{p}.sil_top_k",
               f"must be in [0, num_generations={self.num_generations}]")

@@ -18,9 +18,10 @@ How the loss is formed, and why this way:
     reduce-scattered back), the bias goes to the kernel, ``cast_lm_head_to_fp32`` runs the head in float32, and
     otherwise the weight takes the hidden states' dtype (autocast's choice for a matmul); the kernel itself runs
     with autocast off.
-  * TRL's normaliser per loss type becomes a per-token weight (``TRL_LOSS_TYPES``, the one table of TRL's loss
-    types: policy term, normaliser, clip metrics): per micro-batch, divided by the gradient-accumulation steps,
-    dapo/cispo by ``num_items_in_batch`` as TRL rescales it.
+  * TRL's normaliser per loss type becomes a per-token weight (the ``trl`` column of the loss-type table,
+    ``fastgrpo.kernels.loss_types.LOSS_TYPES``, beside the policy term): per micro-batch, divided by the
+    gradient-accumulation steps, dapo/cispo by ``num_items_in_batch`` as TRL rescales it. The loss's settings are
+    one ``LossSettings`` built from TRL's at each call.
   * The entropy mask, the off-policy sequence mask and the vLLM importance ratio multiply the policy term's weight
     only; the KL term keeps the plain weight (``kl_token_weights``), as in TRL. The masks are recomputed at every
     call, so at every one of the ``num_iterations`` passes, as TRL does: a no-grad log-prob + entropy pass of the
@@ -38,7 +39,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
@@ -48,8 +49,10 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError("fastgrpo.integrations.trl needs TRL >= 1.16: pip install fastgrpo[trl]") from exc
 
+from fastgrpo.kernels.loss_types import LOSS_TYPES, BatchCounts
 from fastgrpo.kernels.module import padded_grpo_loss, padded_logprobs
-from fastgrpo.kernels.objective import clip_masks
+from fastgrpo.kernels.settings import LossSettings
+from fastgrpo.kernels.terms import clip_masks
 
 try:
     from torch.distributed.tensor import DTensor
@@ -61,39 +64,12 @@ __all__ = ["GRPOTrainer"]
 
 
 def _dapo_count(trainer, mask, inputs):
-    """dapo / cispo: ``num_items_in_batch`` (the generation batch's token count) per process and per accumulation
+    """dapo / cispo's token count: ``num_items_in_batch`` (the generation batch's) per process and per accumulation
     window, as TRL rescales it."""
     count = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
     if trainer.model.training:
         count = count * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
     return count.to(mask.device, torch.float32)
-
-
-class TRLLossType(NamedTuple):
-    """How TRL 1.16 computes one ``loss_type``."""
-
-    term: str
-    """The kernel's per-token policy term (a key of ``fastgrpo.kernels.objective.POLICY_LOSSES``)."""
-    divisor: Callable
-    """``(trainer, mask [B, C], inputs, accumulation) -> divisor`` of each token's loss (broadcasting to
-    ``[B, C]``), the micro-batch's own normaliser times the accumulation steps."""
-
-
-TRL_LOSS_TYPES: dict[str, TRLLossType] = {
-    # each sequence's token mean, then the mean over the micro-batch
-    "grpo": TRLLossType("clip", lambda tr, m, i, acc: m.sum(-1, keepdim=True).clamp(min=1.0) * (m.shape[0] * acc)),
-    "sapo": TRLLossType("sapo", lambda tr, m, i, acc: m.sum(-1, keepdim=True).clamp(min=1.0) * (m.shape[0] * acc)),
-    # the micro-batch's token count
-    "bnpo": TRLLossType("clip", lambda tr, m, i, acc: m.sum().clamp(min=1.0) * acc),
-    # B * max_completion_length
-    "dr_grpo": TRLLossType("clip", lambda tr, m, i, acc: m.new_tensor(float(m.shape[0] * tr.max_completion_length
-                                                                             * acc))),
-    # each sequence's token sum, then the mean over the micro-batch
-    "luspo": TRLLossType("clip", lambda tr, m, i, acc: m.new_tensor(float(m.shape[0] * acc))),
-    "dapo": TRLLossType("clip", lambda tr, m, i, acc: _dapo_count(tr, m, i)),
-    "cispo": TRLLossType("cispo", lambda tr, m, i, acc: _dapo_count(tr, m, i)),
-}
-"""TRL's loss types served by the adapter, the one place it reads them from (vespo is refused)."""
 
 
 def _trl_version_ok() -> bool:
@@ -108,9 +84,10 @@ if not _trl_version_ok():  # pragma: no cover
 
 def _refuse_config(args) -> None:
     """One-line ValueError for a GRPOConfig option the fused loss cannot serve (never a silent difference)."""
-    if args.loss_type not in TRL_LOSS_TYPES:
+    served = [name for name, row in LOSS_TYPES.items() if row.trl is not None]
+    if args.loss_type not in served:
         raise ValueError(f"loss_type={args.loss_type!r} is not served by fastgrpo's GRPOTrainer "
-                         f"(served: {', '.join(TRL_LOSS_TYPES)})")
+                         f"(served: {', '.join(served)})")
     if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
         raise ValueError("entropy_coef / use_adaptive_entropy is not served by fastgrpo's GRPOTrainer: the fused "
                          "head does not differentiate the entropy")
@@ -170,7 +147,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         targets = inputs["completion_ids"]  # [B, C]
         advantages = inputs["advantages"]  # [B] or [B, C]
         old = inputs.get("old_per_token_logps")  # [B, C] or None (then: the current log-probs, r == 1)
-        weights = mask / self._normaliser(mask, inputs)  # [B, C]: the KL term's weight
+        weights = self._loss_weights(mask, inputs)  # [B, C]: the KL term's weight
         policy_weights = weights  # [B, C]: times the masks and the ratio below
         entropy = None
         if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
@@ -191,24 +168,33 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.use_vllm and self.vllm_importance_sampling_correction:
             policy_weights = policy_weights * inputs["importance_sampling_ratio"]
         loss, stats = padded_grpo_loss(
-            hidden, weight, targets, mask, advantages, policy_weights, kl_token_weights=weights,
-            old_logprobs=old, ref_logprobs=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
-            importance_sampling_level=self.importance_sampling_level, bias=bias, epsilon_low=self.epsilon_low,
-            # delta clamps the clip term's ratio only; the other terms never read it
-            epsilon_high=self.epsilon_high, delta=self.args.delta, beta=self.beta,
-            temperature=self.temperature, return_entropy=entropy is None,
-            policy_loss=TRL_LOSS_TYPES[self.loss_type].term,
-            sapo_temperature_pos=self.args.sapo_temperature_pos, sapo_temperature_neg=self.args.sapo_temperature_neg,
-            use_bias_correction_kl=self.args.use_bias_correction_kl)
+            hidden, weight, targets, mask, advantages, policy_weights, self._loss_settings(),
+            kl_token_weights=weights, old_logprobs=old,
+            ref_logprobs=inputs["ref_per_token_logps"] if self.beta != 0.0 else None, bias=bias,
+            return_entropy=entropy is None)
         if entropy is not None:
             stats["entropy"] = entropy
         return loss, stats
 
-    def _normaliser(self, mask, inputs):
-        """TRL's divisor of each token's loss for ``self.loss_type`` (``TRL_LOSS_TYPES``), broadcasting to
-        ``[B, C]``: times the accumulation steps in training."""
+    def _loss_settings(self) -> LossSettings:
+        """The loss's settings from TRL's, as the trainer holds them (its constructor sets them from the
+        ``GRPOConfig``; ``LossSettings`` checks them)."""
+        return LossSettings(
+            policy_loss=LOSS_TYPES[self.loss_type].term, epsilon_low=self.epsilon_low,
+            # delta clamps the clip term's ratio only; the other terms never read it
+            epsilon_high=self.epsilon_high, delta=self.args.delta, beta=self.beta,
+            sapo_temperature_pos=self.args.sapo_temperature_pos, sapo_temperature_neg=self.args.sapo_temperature_neg,
+            use_bias_correction_kl=self.args.use_bias_correction_kl,
+            importance_sampling_level=self.importance_sampling_level, temperature=self.temperature)
+
+    def _loss_weights(self, mask, inputs):
+        """``[B, C]``: each token's weight under TRL's normaliser of ``self.loss_type`` (the ``trl`` column of
+        ``LOSS_TYPES``), over the micro-batch times the accumulation steps in training."""
         accumulation = self.current_gradient_accumulation_steps if self.model.training else 1
-        return TRL_LOSS_TYPES[self.loss_type].divisor(self, mask, inputs, accumulation)
+        counts = BatchCounts(num_sequences=mask.shape[0] * accumulation, num_tokens=mask.sum() * accumulation,
+                             max_completion_length=self.max_completion_length,
+                             global_tokens_of=lambda: _dapo_count(self, mask, inputs))
+        return mask * LOSS_TYPES[self.loss_type].trl(mask.sum(-1), counts)[:, None]
 
     # --------------------------------------------------------------------------------------- metrics
 
@@ -241,7 +227,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             kl = torch.exp(diff) - diff - 1
             metrics["kl"].append(masked_mean(kl * ratio if self.args.use_bias_correction_kl else kl))
         metrics["entropy"].append(masked_mean(stats["entropy"]))
-        term = TRL_LOSS_TYPES[self.loss_type].term
+        term = LOSS_TYPES[self.loss_type].term
         low, high = (x.float() for x in clip_masks(term, ratio, adv, epsilon_low=self.epsilon_low,
                                                     epsilon_high=self.epsilon_high))
         _CLIP_METRICS[term](metrics, masked_mean, lambda x: self.accelerator.gather(per_sequence(x)), low, high)
