@@ -11,7 +11,7 @@ goes to the output. ``--profile`` variants also get one more update under torch.
 device's busy time against the update's wall time (a gap is host dispatch), and the top kernels by device time.
 Every variant runs the trainer's own update (``build_trained`` -> ``grpo_update``), on a random-weight model of a
 ``benchmarks/peer_work.SHAPES`` shape (or the tiny model). TRL's update on the same works is ``bench_trl.py
---update-only`` (benchmarks/gpu_issue38.sh runs both).
+--update-only`` (benchmarks/gpu_update_variants.sh runs both).
 
     python benchmarks/bench_update_variants.py                       # a GPU: Qwen2.5-0.5B shapes, the three works
     python benchmarks/bench_update_variants.py --smoke               # a CPU: the tiny model, a few seconds

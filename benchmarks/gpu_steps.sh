@@ -1,5 +1,5 @@
-# Shared by the one-call GPU scripts (gpu_issue29.sh, gpu_issue38.sh), sourced from the repository root after
-# setting TAG (the results' prefix) and BUDGET_DEFAULT (seconds): the output folder, a log of everything, the budget,
+# Shared by the one-call GPU scripts (gpu_trl_update_and_head.sh, gpu_update_variants.sh), sourced from the
+# repository root after setting TAG (the results' prefix) and BUDGET_DEFAULT (seconds): the output folder, a log of everything, the budget,
 # and `step NAME LIMIT_S command...`, which runs one step under `timeout` and writes one line of ${TAG}_steps.tsv.
 set -uo pipefail
 OUT_DIR=${OUT:-benchmarks/results}

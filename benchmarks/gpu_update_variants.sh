@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 38's GPU call, inside one device call: the policy update with bf16 compute weights + float32 masters, static
+# One device call: the policy update with bf16 compute weights + float32 masters, static
 # shapes, compiled blocks and CUDA graphs, against the autocast default and against TRL 1.16's update.
 #   (a) pytest on CUDA: tests/test_cuda_graphs.py (graphed = eager, eager fallback), test_compile_blocks.py,
 #       test_master_weights.py, test_static_shapes.py (what skips or is CPU-only elsewhere runs here first)
@@ -14,28 +14,26 @@
 #   (e) bench_trl.py --works qwen0.5b-shape: the whole trainer step in the graphed configuration against TRL's
 #   Full mode order: (a), (c) at 8, (e), (c) at 64 and long, (d), then (b) with what is left.
 #
-#   bash benchmarks/gpu_issue38.sh                 # on the GPU machine; carry .whl/ (trl, accelerate, datasets, ...)
-#   QUICK=1 bash benchmarks/gpu_issue38.sh         # ~270 s: (a), then (b) at s8 and s64 only, in two steps (one per
+#   bash benchmarks/gpu_update_variants.sh         # on the GPU machine; carry .whl/ (trl, accelerate, datasets, ...)
+#   QUICK=1 bash benchmarks/gpu_update_variants.sh # ~270 s: (a), then (b) at s8 and s64 only, in two steps (one per
 #                                                  # work), the most telling variants first, three of them profiled
 #                                                  # (kernels launched, device busy vs wall, top kernels); no TRL
-#   SMOKE=1 bash benchmarks/gpu_issue38.sh         # CPU: the same steps at tiny shapes (checks the script itself)
-#   SMOKE=1 QUICK=1 bash benchmarks/gpu_issue38.sh # CPU: the QUICK steps at tiny shapes
+#   SMOKE=1 bash benchmarks/gpu_update_variants.sh # CPU: the same steps at tiny shapes (checks the script itself)
+#   SMOKE=1 QUICK=1 bash benchmarks/gpu_update_variants.sh  # CPU: the QUICK steps at tiny shapes
 #
 # pytest runs without -x: every failing test shows, with its traceback. A failing variant is a row with its error,
 # and its whole traceback is in the log.
 #
-# Results in ${OUT:-benchmarks/results}/: issue38_log.txt, issue38_steps.tsv (step, status, seconds, limit),
-# issue38_pytest.xml, update_variants*.{json,md}, bench_trl_update_{8,64,long}.{json,md}, bench_trl_whole.{json,md},
-# decode.{md,csv}. BUDGET_S (default 540;
-# QUICK 270) caps everything; each step runs under `timeout` with its own limit, cut to what is left; under 20 s
-# left: skipped.
+# Results in ${OUT:-benchmarks/results}/: gpu_update_variants_log.txt, gpu_update_variants_steps.tsv (step, status,
+# seconds, limit), gpu_update_variants_pytest.xml, update_variants*.{json,md}, bench_trl_update_{8,64,long}.{json,md},
+# bench_trl_whole.{json,md}, decode.{md,csv}. BUDGET_S (default 540; QUICK 270) caps everything; each step runs
+# under `timeout` with its own limit, cut to what is left; under 20 s left: skipped.
 cd "$(dirname "$0")/.."
 QUICK=${QUICK:-0}
-TAG=issue38 BUDGET_DEFAULT=$([ "$QUICK" = 1 ] && echo 270 || echo 540)
+TAG=gpu_update_variants BUDGET_DEFAULT=$([ "$QUICK" = 1 ] && echo 270 || echo 540)
 source benchmarks/gpu_steps.sh
-# QUICK: the variants in this order (what the first H100 call left open first; +buckets: the padding alone), three
-# of them profiled
-# (2026-11-27, later: the head graphed too, and the compiled blocks inside graphs, which no call has run yet)
+# QUICK: the variants in this order (the graphed ones first, then what they are compared with; +buckets: the padding
+# alone), three of them profiled
 QUICK_VARIANTS=autocast,bf16-masters+graphs,bf16-masters+block-graphs,bf16-masters+compile+graphs,bf16-masters,bf16-masters+compile,compile,bf16-masters+buckets
 QUICK_PROFILE=autocast,bf16-masters+graphs,bf16-masters+compile+graphs
 
@@ -47,7 +45,7 @@ if [ "$SMOKE" = 1 ]; then
   QUICK_WORKS=(tiny)
 else
   if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    echo "gpu_issue38.sh: no CUDA device visible (SMOKE=1 runs the steps at tiny shapes on the CPU)" >&2
+    echo "gpu_update_variants.sh: no CUDA device visible (SMOKE=1 runs the steps at tiny shapes on the CPU)" >&2
     exit 2
   fi
   source benchmarks/gpu_env.sh || exit 2  # the carried wheels (trl, ...) and this tree as fastgrpo
@@ -61,10 +59,10 @@ else
 fi
 date -u +"date: %Y-%m-%dT%H:%MZ"
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-echo "command: BUDGET_S=$BUDGET_S SMOKE=$SMOKE QUICK=$QUICK bash benchmarks/gpu_issue38.sh"
+echo "command: BUDGET_S=$BUDGET_S SMOKE=$SMOKE QUICK=$QUICK bash benchmarks/gpu_update_variants.sh"
 
 step pytest "$(cap $([ "$QUICK" = 1 ] && echo 75 || echo 90))" "$PY" -m pytest -q -rfE "${TESTS[@]}" \
-  --junitxml "$OUT_DIR/issue38_pytest.xml" -p no:cacheprovider
+  --junitxml "$OUT_DIR/gpu_update_variants_pytest.xml" -p no:cacheprovider
 if [ "$QUICK" = 1 ]; then
   # one step per work, each capped at its share of what is left, so that a slow compile at s8 leaves s64 its turn
   n=${#QUICK_WORKS[@]}
@@ -106,7 +104,7 @@ trl_step() {  # trl_step "NAME:ARGS": TRL's update against grpo_update (graphed)
 }
 HAVE_TRL=0; "$PY" -c "import trl" 2>/dev/null && HAVE_TRL=1
 if [ "$HAVE_TRL" = 1 ]; then
-  # (c) the small batch first (the host-bound case this issue is about), then (e) the whole trainer step with the
+  # (c) the small batch first (the host-bound case, where graphs help most), then (e) the whole trainer step with the
   # graphed configuration against TRL's (rollout from the bf16 weights, the graphed update, weight sync), then the
   # larger batches
   trl_step "${TRL_WORKS[0]}"

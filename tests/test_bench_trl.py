@@ -300,9 +300,10 @@ def test_update_only_gradients_agree_with_trls_and_pairs_are_timed(tmp_path):
     assert report["parity"]["max_rel_diff"] < 0.1  # bf16 against TRL's float32
 
 
-def test_gpu_issue29_script_refuses_a_machine_without_cuda(tmp_path):
-    """benchmarks/gpu_issue29.sh parses (bash -n) and, with no CUDA device and no SMOKE=1, stops at once with exit 2
-    and says why (its steps are the update-only and kernel runs tested above, at tiny shapes with SMOKE=1)."""
+def test_the_gpu_trl_update_and_head_script_refuses_a_machine_without_cuda(tmp_path):
+    """benchmarks/gpu_trl_update_and_head.sh parses (bash -n) and, with no CUDA device and no SMOKE=1, stops at once
+    with exit 2 and says why (its steps are the update-only and kernel runs tested above, at tiny shapes with
+    SMOKE=1)."""
     import os
     import subprocess
     import sys
@@ -310,7 +311,7 @@ def test_gpu_issue29_script_refuses_a_machine_without_cuda(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_issue29.sh"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_trl_update_and_head.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, SMOKE="0")
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
