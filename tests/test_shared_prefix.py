@@ -318,7 +318,7 @@ def test_a_planted_fault_fails_the_comparison(attn, fault):
             _assert_same(_logprobs(model, [fault(mbs[0])], n), want, "log-probs")
 
 
-@pytest.mark.parametrize("attn", ["eager", "flex_attention", "flash_attention_2"])
+@pytest.mark.parametrize("attn", ["eager", "flex_attention"])
 def test_backends_that_cannot_attend_a_shared_prefix_refuse_it(attn):
     prompts, completions = grouped_batch(seed=14, groups=1, size=3, prompt=(20, 20))
     mb = _packed(prompts, completions, 1000, shared=True)[0]
@@ -496,3 +496,45 @@ def test_ppo_update_and_critic_values_shared_equal_unshared():
     for key in ("loss", "critic/loss", "critic/explained_variance"):
         _assert_same(torch.tensor(m1[key]), torch.tensor(m0[key]), key)
     assert m1["perf/update_tokens_forwarded"] < m0["perf/update_tokens_forwarded"]
+
+
+def _fake_flash_attn(monkeypatch) -> list:
+    """A stand-in ``flash_attn`` package whose varlen kernel is fastgrpo's CPU op with flash-attn's conventions
+    (``causal=True`` aligned bottom-right): the plumbing of the flash_attention_2 path runs on a CPU. Returns the
+    calls it saw."""
+    import sys
+    import types
+
+    calls = []
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
+        calls.append((q.shape, k.shape, causal))
+        assert causal and dropout_p == 0.0 and max_q >= 1 and max_k >= 1
+        return varlen_attn_kv(q.float(), k.float(), v.float(), cu_q, cu_k, max_k, softmax_scale).to(q.dtype)
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+    return calls
+
+
+def test_flash_attention_2_runs_a_shared_row_through_the_varlen_kernel_on_gathered_keys(monkeypatch):
+    """flash_attention_2: a shared row goes to flash-attn's varlen kernel with each segment's keys gathered (a
+    stand-in kernel here: no flash-attn on a CPU), and gives the unshared log-probs and gradients; a row without a
+    shared prefix still goes to transformers' own function."""
+    from transformers.integrations import flash_attention
+
+    calls = _fake_flash_attn(monkeypatch)
+    model = tiny_model("qwen2", "sdpa")
+    prompts, completions = grouped_batch(seed=16)
+    got_plain = []
+    monkeypatch.setattr(flash_attention, "flash_attention_forward",
+                        lambda *a, **k: got_plain.append(k) or (_ for _ in ()).throw(RuntimeError("transformers'")))
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(RuntimeError, match="transformers'"):  # unshared rows: transformers' function, as before
+        _logprobs(model, _packed(prompts, completions, 60, shared=False), 1)
+    assert got_plain and "kv_index" not in got_plain[0] and not calls
+    n = sum(map(len, completions))
+    got = _logprobs(model, _packed(prompts, completions, 60, shared=True), n)
+    assert calls and all(k[0] > q[0] for q, k, _ in calls)  # the gathered keys: each prefix once per sequence
+    model.config._attn_implementation = "sdpa"
+    want = _logprobs(model, _packed(prompts, completions, 60, shared=False), n)
+    _assert_same(got, want, "log-probs")

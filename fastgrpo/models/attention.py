@@ -58,8 +58,9 @@ def _runs_anywhere(device: torch.device) -> None:
 # run it (AttnBackend.shared_prefix): sdpa gets the mask with each prefix visible to its sequences' tokens; the varlen
 # ones gather each segment's keys and values by kv_index ([prefix ; own] for a sequence's own segment) and attend
 # causally aligned bottom-right on cu_seq_lens_k; the gather's backward adds each prefix key's gradient over the
-# segments that read it. flash_attention_2 (transformers' own attention function, which takes the row's own keys),
-# eager and flex_attention (position_ids) cannot, and say so before a step runs (use_shared_prefix).
+# segments that read it (flash_attention_2: transformers' own function for every other row, flash-attn's varlen
+# kernel on the gathered keys for these). eager and flex_attention (position_ids) cannot, and say so before a step
+# runs (use_shared_prefix).
 
 
 def block_causal_mask(mb: MicroBatch) -> torch.Tensor:
@@ -303,6 +304,36 @@ def _varlen_op(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     return out[None], None
 
 
+def _flash_attention_2(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function of ``"flash_attention_2"``: transformers' own, except for a packed row with a
+    shared prefix (``kv_index``), which goes to flash-attn's varlen kernel with each segment's keys and values
+    gathered (its prefix's, then its own) and ``causal=True``, which flash-attn aligns bottom-right: a sequence's own
+    tokens see its whole prefix. query ``[1, Hq, T, d]``, key / value ``[1, Hkv, T, d]`` -> ``[1, T, Hq, d]``."""
+    from transformers.integrations import flash_attention  # loaded with the model: a lookup, not an import
+
+    kv_index = kwargs.pop("kv_index", None)
+    if kv_index is None:
+        return flash_attention.flash_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
+    if sliding_window is not None:
+        raise ValueError("model.attn_implementation=flash_attention_2: a shared prefix with sliding-window layers is "
+                         "not supported (set the update's shared_prefix to false)")
+    from flash_attn import flash_attn_varlen_func
+
+    dtype = query.dtype
+    if dtype == torch.float32:  # as transformers' own: the autocast dtype, or the projections' weights'
+        target = flash_attention.get_target_dtype(query, module) or torch.bfloat16
+        query, key, value = (t.to(target) for t in (query, key, value))
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, d]
+    k, v = (t.index_select(0, kv_index) for t in (k, v))  # [Tk, Hkv, d]
+    out = flash_attn_varlen_func(q, k, v, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"],
+                                 int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), dropout_p=dropout,
+                                 softmax_scale=scaling, causal=True)  # [T, Hq, d]
+    return out[None].to(dtype), None
+
+
 def _sdpa_varlen_mask(*, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None, **_) -> None:
     """transformers mask function of ``"sdpa_varlen"``: builds nothing (the attention needs only the boundaries),
     but refuses what per-sequence causal attention would get wrong: padding, and a KV cache (decoding)."""
@@ -318,10 +349,13 @@ def _sdpa_varlen_mask(*, q_length: int, kv_length: int, attention_mask: torch.Te
 
 def register_with_transformers() -> None:
     """Make fastgrpo's own attention implementations (``"sdpa_varlen"``, ``"torch_varlen"``, ``"varlen_op"``) known to
-    transformers; idempotent.
+    transformers, and ``"flash_attention_2"`` the same as transformers' but for rows with a shared prefix; idempotent.
     ``load_model`` calls it; call it before building a model from a config with one of them."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
+
+    # transformers' flash_attention_2 with one addition: rows with a shared prefix (_flash_attention_2)
+    AttentionInterface.register("flash_attention_2", _flash_attention_2)
 
     AttentionInterface.register("sdpa_varlen", _sdpa_per_sequence)
     AttentionMaskInterface.register("sdpa_varlen", _sdpa_varlen_mask)
@@ -356,7 +390,8 @@ def register_attn_backend(name: str, backend: AttnBackend) -> None:
     ATTN_BACKENDS[name] = backend
 
 
-register_attn_backend("flash_attention_2", AttnBackend(check=_needs_flash_attn, packed_inputs=_varlen_inputs))
+register_attn_backend("flash_attention_2", AttnBackend(check=_needs_flash_attn, packed_inputs=_shared_varlen_inputs,
+                                                       shared_prefix=True))
 # flex's compiled kernels are specialised to shapes and a KV cache changes shape every token: decode with sdpa.
 register_attn_backend("flex_attention", AttnBackend(decode_with="sdpa"))
 register_attn_backend("sdpa", AttnBackend(packed_inputs=_sdpa_inputs, shared_prefix=True))
