@@ -258,3 +258,123 @@ def test_a_disk_too_full_for_the_run_lock_is_exit_1_naming_the_file_and_the_reru
     _one_line_error(capsys.readouterr().err, "no space left", str(tmp_path / "run" / ".lock"), "same command")
     assert _main(tmp_path, "max_steps=2") == 0  # room again: the same command resumes
     assert "resumed from" in capsys.readouterr().out
+
+
+def _write_gguf(path: Path) -> Path:
+    """A minimal GGUF file (one tensor, no tokenizer): what a real one starts with, for the name and cache logic."""
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf==0.19.0)")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def fake_conversion(tmp_path, monkeypatch) -> list[Path]:
+    """GGUF conversion into a cache under tmp_path that copies the tiny model in (the dequantization itself is
+    tests/test_real_model.py's): returns the list of files converted, one entry per conversion."""
+    import shutil
+
+    from fastgrpo.models import sources
+    from fastgrpo.models.tiny import build_tiny
+
+    tiny = build_tiny()
+    calls: list[Path] = []
+
+    def write_folder(path, out):
+        calls.append(path)
+        for f in tiny.iterdir():
+            shutil.copy(f, out / f.name)
+
+    monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sources, "_write_folder", write_folder)
+    monkeypatch.setattr(sources, "check_gguf", lambda path: None)
+    return calls
+
+
+def _damage_tokenizer(folder: Path) -> None:
+    (folder / "tokenizer.json").unlink()
+
+
+def _damage_truncate(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+
+
+def _damage_other_tensors(folder: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(3, 5)}, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("damage", [_damage_tokenizer, _damage_truncate, _damage_other_tensors],
+                         ids=["no-tokenizer-json", "truncated-safetensors", "other-tensors"])
+def test_a_damaged_gguf_cache_folder_is_converted_again_not_loaded(tmp_path, capsys, fake_conversion, damage):
+    from fastgrpo.models import sources
+
+    gguf_file = _write_gguf(tmp_path / "model.gguf")
+    assert _main(tmp_path, f"model.name_or_path={gguf_file}", "max_steps=1") == 0, capsys.readouterr().err[-3000:]
+    folder = sources.gguf_folder(gguf_file)
+    assert len(fake_conversion) == 1 and sources.conversion_problem(folder) is None
+    damage(folder)
+    assert sources.conversion_problem(folder) is not None
+    rc = train.main([*TOY, f"output_dir={tmp_path}", "name=again", f"model.name_or_path={gguf_file}", "max_steps=1"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "converting again" in err and "Traceback" not in err, err[-3000:]
+    assert len(fake_conversion) == 2 and sources.conversion_problem(folder) is None
+
+
+def test_a_gguf_file_is_known_by_its_bytes_whatever_its_name(tmp_path, capsys, fake_conversion):
+    gguf_file = _write_gguf(tmp_path / "weights.bin")
+    assert _main(tmp_path, f"model.name_or_path={gguf_file}", "max_steps=1") == 0, capsys.readouterr().err[-3000:]
+    assert fake_conversion == [gguf_file]
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"PK\x03\x04 not a model")
+    assert train.main([*TOY, f"output_dir={tmp_path}", "name=other", f"model.name_or_path={other}"]) == 2
+    _one_line_error(capsys.readouterr().err, str(other), "is a file", "GGUF")
+
+
+def test_a_folder_named_like_a_gguf_file_is_a_folder(tmp_path, capsys):
+    import shutil
+
+    from fastgrpo.models.tiny import build_tiny
+
+    empty = tmp_path / "empty.gguf"
+    empty.mkdir()
+    assert _main(tmp_path, f"model.name_or_path={empty}", "max_steps=1") == 2
+    line = _one_line_error(capsys.readouterr().err, str(empty), "folder", "config.json")
+    assert "does not exist" not in line
+    model = tmp_path / "model.gguf"
+    shutil.copytree(build_tiny(), model)
+    assert _main(tmp_path, f"model.name_or_path={model}", "max_steps=1") == 0, capsys.readouterr().err[-3000:]
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "SmolLM2-135M-Instruct"])
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "no-connection"])
+def test_a_near_miss_of_a_named_source_without_network_names_it_at_once(tmp_path, capsys, monkeypatch, name, offline):
+    import socket
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    if offline == "HF_HUB_OFFLINE":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(proxy, raising=False)
+
+        def refused(*a, **k):
+            raise ConnectionRefusedError(111, "Connection refused")
+
+        monkeypatch.setattr(socket, "create_connection", refused)
+    start = time.monotonic()
+    assert _main(tmp_path, f"model.name_or_path={name}", "max_steps=1") == 2
+    _one_line_error(capsys.readouterr().err, f"{name!r}", "did you mean the named source 'smollm2-135m-instruct'?")
+    assert time.monotonic() - start < 30  # no minute of hub retries

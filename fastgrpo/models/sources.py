@@ -27,6 +27,7 @@ module imports ``llm`` and ``llama_cpp``, which fastgrpo does not need: it is in
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fcntl
 import hashlib
 import importlib.metadata
@@ -34,17 +35,19 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from fastgrpo.config import ConfigError
+from fastgrpo.config import ConfigError, not_a_file
 from fastgrpo.models.tiny import tiny_cache_root
-from fastgrpo.runtime.files import write_atomic
+from fastgrpo.runtime.files import folder_problem, tensor_digest, write_atomic
 
-__all__ = ["GGUFError", "PACKAGED_GGUF", "PackagedGGUF", "check_gguf", "convert_gguf", "gguf_folder",
-           "gguf_key_info", "is_converted", "packaged_gguf_path"]
+__all__ = ["GGUFError", "PACKAGED_GGUF", "PackagedGGUF", "check_gguf", "closest_name", "conversion_problem",
+           "convert_gguf", "gguf_folder", "gguf_key_info", "in_hub_cache", "is_converted", "is_gguf_file",
+           "offline_reason", "packaged_gguf_path"]
 
 # Bump when the conversion writes something different for the same file (another dtype, other tokenizer files).
 _CONVERTER_VERSION = "g1"
@@ -145,6 +148,96 @@ def is_converted(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
+_LEGACY_FILES = ("config.json", "tokenizer.json")
+"""The files a converted folder whose marker lists none must hold (a marker from before the list was kept)."""
+
+
+def _folder_record(folder: Path) -> dict:
+    """What the marker records of a finished conversion: every file it wrote, and each safetensors file's
+    :func:`~fastgrpo.runtime.files.tensor_digest`."""
+    return {"files": sorted(f.name for f in folder.iterdir() if f.is_file() and f.name != MARKER),
+            "tensors": {f.name: tensor_digest(f) for f in sorted(folder.glob("*.safetensors"))}}
+
+
+def conversion_problem(folder: Path) -> str | None:
+    """Why the cached conversion ``folder`` cannot be used as it is, or None: no marker (unfinished), a file the
+    conversion wrote is missing, a safetensors file is truncated or holds other tensors than the conversion wrote.
+    The folder is fastgrpo's own cache, so such a folder is converted again, never loaded."""
+    if not is_converted(folder):
+        return f"{folder} is unfinished (no {MARKER})" if folder.exists() else f"{folder} does not exist"
+    try:
+        record = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return f"{folder / MARKER} is unreadable"
+    problem = folder_problem(folder, tuple(record.get("files", _LEGACY_FILES)))
+    if problem is not None:
+        return problem
+    for name, digest in record.get("tensors", {}).items():
+        if tensor_digest(folder / name) != digest:
+            return f"{folder / name} holds other tensors than the conversion wrote"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a name is: a GGUF file by its bytes; a hub id that cannot be fetched
+
+
+GGUF_MAGIC = b"GGUF"
+"""The first four bytes of every GGUF file, whatever its name."""
+
+
+def is_gguf_file(path: Path) -> bool:
+    """``path`` is a regular file that starts with the GGUF magic bytes (a FIFO is never opened)."""
+    try:
+        if not path.is_file():
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def in_hub_cache(repo: str, revision: str | None = None) -> bool:
+    """The hub repo ``repo`` has a config.json in the local Hugging Face cache (it loads without network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo, "config.json", revision=revision), str)
+    except Exception:  # noqa: BLE001  (an id the hub would refuse, e.g. with spaces: not cached either)
+        return False
+
+
+def offline_reason(timeout_s: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached now, or None: HF_HUB_OFFLINE is set, or a TCP connection to its
+    endpoint fails within ``timeout_s`` (skipped behind an HTTPS proxy, which only a request would test). One probe,
+    where transformers would retry for about a minute before its own advice."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"no connection to {host}: {e.strerror or type(e).__name__}"
+    return None
+
+
+def closest_name(name: str, names: list[str]) -> str | None:
+    """The entry of ``names`` closest to ``name`` or to its last part after '/', ignoring case, or None."""
+    lowered = {n.lower(): n for n in names}
+    for key in (name.lower(), name.rsplit("/", 1)[-1].lower()):
+        match = difflib.get_close_matches(key, list(lowered), n=1, cutoff=0.6)
+        if match:
+            return lowered[match[0]]
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Checks before any dequantization
 
@@ -230,20 +323,22 @@ def convert_gguf(path: str | Path, *, cache_dir: str | Path | None = None) -> Pa
     """
     path = Path(path).expanduser().resolve()
     if not path.is_file():
-        raise FileNotFoundError(f"model.name_or_path: GGUF file {str(path)!r} does not exist")
+        raise FileNotFoundError(f"model.name_or_path: GGUF file {str(path)!r} {not_a_file(path)}")
     final = gguf_folder(path, cache_dir)
-    if is_converted(final):
+    if conversion_problem(final) is None:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        if is_converted(final):  # converted by whoever held the lock before us
+        problem = conversion_problem(final)
+        if problem is None:  # converted by whoever held the lock before us
             return final
         # what a conversion killed before its cleanup left (none is running: we hold the lock)
         for stale in final.parent.glob(f".{final.name}.*"):
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
-        if final.exists():  # no marker: incomplete (e.g. copied in by hand)
+        if final.exists():  # unfinished, or damaged since (a file deleted, cut short or replaced): ours to redo
+            print(f"[fastgrpo] converting again: {problem}", file=sys.stderr, flush=True)
             shutil.rmtree(final)
         check_gguf(path)
         print(f"[fastgrpo] converting {path.name} to a float32 folder (first use only: about a minute for a 135M "
@@ -252,7 +347,8 @@ def convert_gguf(path: str | Path, *, cache_dir: str | Path | None = None) -> Pa
         work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:
             _write_folder(path, work)
-            info = {"source": str(path), **gguf_key_info(path), "seconds": round(time.perf_counter() - start, 1)}
+            info = {"source": str(path), **gguf_key_info(path), "seconds": round(time.perf_counter() - start, 1),
+                    **_folder_record(work)}
             write_atomic(work / MARKER, json.dumps(info, indent=2) + "\n")
             os.chmod(work, 0o755)  # mkdtemp makes it private (and some writers their files); the cache may be shared
             for f in work.iterdir():

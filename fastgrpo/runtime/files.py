@@ -10,13 +10,14 @@ and the old file, if any, is untouched.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["folder_problem", "publish_folder", "safetensors_problem", "write_atomic"]
+__all__ = ["folder_problem", "publish_folder", "safetensors_problem", "tensor_digest", "write_atomic"]
 
 
 def write_atomic(path: Path | str, data: str | bytes, *, encoding: str = "utf-8") -> None:
@@ -57,6 +58,20 @@ def safetensors_problem(path: Path) -> str | None:
     ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
     need = 8 + n + max(ends, default=0)
     return None if size >= need else f"{path.name} is truncated ({size} of its {need} bytes)"
+
+
+def tensor_digest(path: Path) -> str | None:
+    """A hash of what the safetensors file ``path`` holds (each tensor's name, dtype and shape, from its header, not
+    its data), or None when the header cannot be read: a file with other tensors has another digest."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError):
+        return None
+    tensors = {k: [v.get("dtype"), v.get("shape")] for k, v in header.items()
+               if k != "__metadata__" and isinstance(v, dict)}
+    return hashlib.sha256(json.dumps(tensors, sort_keys=True).encode()).hexdigest()
 
 
 def folder_problem(folder: Path, required: tuple[str, ...]) -> str | None:
