@@ -28,6 +28,8 @@ SHAPES = {
     "108m": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
 }
+# Qwen2.5-0.5B's widths and vocabulary with fewer layers: the same head and sampler work, a fraction of the trunk's.
+SHAPES |= {f"qwen2.5-0.5b-{n}l": {**SHAPES["qwen2.5-0.5b"], "num_hidden_layers": n} for n in (2, 4)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +58,8 @@ WORKS = {
     "108m-shape": Work(model="108m", prompts_per_step=2, max_completion_length=32),
     # One prompt per step and one measured step: a 0.5B float32 step takes minutes on the 2-core CPU.
     "qwen0.5b-shape": Work(model="qwen2.5-0.5b", prompts_per_step=1, max_completion_length=32, steps=1),
+    "qwen0.5b-2l-shape": Work(model="qwen2.5-0.5b-2l", prompts_per_step=1, max_completion_length=32),
+    "qwen0.5b-4l-shape": Work(model="qwen2.5-0.5b-4l", prompts_per_step=1, max_completion_length=32),
     # A real pretrained model (issue 36): SmolLM2-135M-Instruct, full fine-tuning in float32 like the works above;
     # its real tokenizer and chat template render the same Countdown prompts. Two measured steps of 2 x 8 x 32.
     "smollm2": Work(model="smollm2-135m-instruct", prompts_per_step=2, max_completion_length=32),
@@ -243,9 +247,21 @@ PRETRAINED_NORM_GAIN = 100.0
 below the others)."""
 
 
+MAX_EOS_PROBABILITY = 1e-6
+"""The most probability a built model may give an EOS id at a prompt position: a work's completions must all run
+their full length, B * G * L draws per step without one EOS."""
+
+CHECK_PROMPTS = 4
+"""The work's prompts (the first of :func:`write_prompts`' rows) that a build's check forwards."""
+
+_CHECKED = "peer_work_checked.json"
+"""Written into a model folder once its build passed :func:`check_built_model`; a folder without it is rebuilt."""
+
+
 def build_model_folder(model: str, dest: Path, *, seed: int) -> Path:
-    """A no-EOS copy of ``model`` in ``dest`` (built once; reused when present)."""
-    if (dest / "config.json").is_file():
+    """A no-EOS copy of ``model`` in ``dest``, built once and reused while present; put in place only after
+    :func:`check_built_model` passed (ValueError otherwise, and nothing is cached)."""
+    if (dest / _CHECKED).is_file():
         return dest
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -267,9 +283,54 @@ def build_model_folder(model: str, dest: Path, *, seed: int) -> Path:
         net = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
     suppress_eos(net, eos_ids_of(src), final_norm_gain=None if model in ("tiny", *SHAPES) else PRETRAINED_NORM_GAIN)
     net.save_pretrained(tmp)
+    try:
+        report = check_built_model(tmp, seed=seed)
+    except ValueError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"{model} (seed {seed}): {e}; nothing was cached at {dest}") from None
+    (tmp / _CHECKED).write_text(json.dumps(report) + "\n")
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return dest
+
+
+def check_built_model(folder: Path, *, seed: int) -> dict:
+    """The checks a no-EOS build passes before it is cached: every weight finite, and a float32 forward over the
+    work's first :data:`CHECK_PROMPTS` prompts (``write_prompts``' rows for ``seed``) with finite logits at every
+    position and no EOS id above :data:`MAX_EOS_PROBABILITY`. Returns what was checked; ValueError (one line)
+    naming the first failure."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    net = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for name, tensor in net.state_dict().items():
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"the weight {name} holds {int((~torch.isfinite(tensor)).sum())} non-finite values")
+    tok = AutoTokenizer.from_pretrained(folder)
+    rows, _ = _work_prompts(tok, count=CHECK_PROMPTS, seed=seed)
+    worst = max(_eos_probability(net, tok, row["prompt"], eos_ids_of(folder), prompt=i) for i, row in enumerate(rows))
+    if worst > MAX_EOS_PROBABILITY:
+        raise ValueError(f"an EOS id keeps probability {worst:.3g} at a prompt position (the work needs at most "
+                         f"{MAX_EOS_PROBABILITY:g}: its completions never end)")
+    return {"seed": seed, "prompts": len(rows), "max_eos_probability": worst}
+
+
+def _eos_probability(net, tok, conversation: list[dict], eos: list[int], *, prompt: int = 0) -> float:
+    """The largest probability ``net`` gives an EOS id at the positions of one rendered prompt whose input is not
+    itself an EOS id (after an EOS input the edited channel is negative, but generation never feeds one);
+    ValueError when a logit there is not finite."""
+    import torch
+
+    ids = torch.tensor([tok(render_conversation(tok, conversation))["input_ids"]])  # [1, P]
+    with torch.no_grad():
+        logits = net(input_ids=ids).logits.float()[0]  # [P, V]
+    if not torch.isfinite(logits.sum(-1)).all():  # one pass over [P, V]; the element pass only on failure
+        bad = (~torch.isfinite(logits)).nonzero()
+        where = (f"token {int(bad[0, 1])} at position {int(bad[0, 0])} of {ids.shape[1]}: "
+                 f"{logits[bad[0, 0], bad[0, 1]].item()}" if len(bad) else "finite, but their sum overflows float32")
+        raise ValueError(f"the logits of prompt {prompt} are not finite ({where})")
+    eos_logp = logits[:, eos] - logits.logsumexp(-1, keepdim=True)  # [P, E], without a [P, V] softmax
+    return eos_logp[~torch.isin(ids[0], torch.tensor(eos))].max().exp().item()
 
 
 def model_source(model: str) -> Path:
@@ -296,21 +357,31 @@ def write_prompts(model_dir: Path, path: Path, *, count: int, seed: int) -> int:
     ``prompt`` is the conversation: TRL renders it with the tokenizer's chat template, and fastgrpo either does
     the same with a conversation column or (versions that read only ``nums``/``target``) renders the same
     messages from the row, so both sides see identical token ids (checked per step by the bench)."""
-    from collections import Counter
-
     from transformers import AutoTokenizer
+
+    keep, P = _work_prompts(AutoTokenizer.from_pretrained(model_dir), count=count, seed=seed)
+    path.write_text("".join(json.dumps(row) + "\n" for row in keep))
+    return P
+
+
+def _work_prompts(tok, *, count: int, seed: int) -> tuple[list[dict], int]:
+    """:func:`write_prompts`' rows and their token length P; the first ``count`` do not depend on ``count``."""
+    from collections import Counter
 
     from fastgrpo.data import countdown_splits
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    rows, _ = countdown_splits(num_train=count * 8, num_eval=0, seed=seed, min_numbers=3, max_numbers=4,
-                               max_value=99)
+    rows, _ = countdown_splits(num_train=max(count, _PROMPT_POOL) * 8, num_eval=0, seed=seed, min_numbers=3,
+                               max_numbers=4, max_value=99)
     convs = [_conversation(r) for r in rows]
     lengths = [len(tok(render_conversation(tok, c))["input_ids"]) for c in convs]
     P = Counter(lengths).most_common(1)[0][0]
     keep = [{"prompt": c, "nums": r["nums"], "target": r["target"]} for c, r, n in zip(convs, rows, lengths) if n == P]
-    path.write_text("".join(json.dumps(row) + "\n" for row in keep[:count]))
-    return P
+    return keep[:count], P
+
+
+_PROMPT_POOL = 64
+"""Prompts drawn at least, so that the common length P, and the rows kept, are the same for every ``count`` up to it
+(the benchmarks write 64)."""
 
 
 def render_conversation(tok, conversation: list[dict]) -> str:
@@ -318,19 +389,15 @@ def render_conversation(tok, conversation: list[dict]) -> str:
 
 
 def check_no_eos(model_dir: Path, prompts_file: Path) -> float:
-    """Largest probability any EOS id gets at the positions of one prompt whose input is not itself an EOS id
-    (must be ~0; after an EOS input the edited channel is negative, but generation never feeds one)."""
+    """Largest probability any EOS id gets at the positions of the file's first prompt (must be ~0; see
+    :func:`_eos_probability`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     net = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    text = render_conversation(tok, json.loads(prompts_file.read_text().splitlines()[0])["prompt"])
-    ids = torch.tensor([tok(text)["input_ids"]])  # [1, P]
-    eos = eos_ids_of(model_dir)
-    with torch.no_grad():
-        probs = net(input_ids=ids).logits.float().softmax(-1)[0]  # [P, V]
-    return probs[~torch.isin(ids[0], torch.tensor(eos))][:, eos].max().item()
+    conversation = json.loads(prompts_file.read_text().splitlines()[0])["prompt"]
+    return _eos_probability(net, tok, conversation, eos_ids_of(model_dir))
 
 
 def make_spec(work: Work, *, model_dir, prompts_file, prompt_len: int, device: str = "cpu", engine: str = "hf",
