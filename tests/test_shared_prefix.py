@@ -380,13 +380,14 @@ def _grpo_run(model, batch, *, shared: bool, budget: int, ref=None, **grpo) -> t
     from fastgrpo.algorithms.grpo import grpo_update
 
     metrics = StepMetrics()
-    params = [p for p in model.parameters() if p.requires_grad]
+    module = getattr(model, "module", model)  # a runner's module
+    params = [p for p in module.parameters() if p.requires_grad]
     mbs = grpo_update(model, batch, grpo=GRPOConfig(head_backend="torch", max_tokens_per_microbatch=budget,
                                                     shared_prefix="true" if shared else "false", **grpo),
                       rollout=RolloutConfig(max_completion_length=16), optimizer=torch.optim.SGD(params, lr=0.0),
                       max_grad_norm=0.0, metrics=metrics, device="cpu", ref_model=ref)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
     return grads, metrics.reduce(), mbs
 
 
