@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_plugin_and_run_failures import TOY, _one_line_error
 from test_rollout_hf import _load, _prompts, tiny_cache  # noqa: F401  (tiny_cache: the shared fixture)
+
+from fastgrpo import train
 
 from fastgrpo.algorithms.kept_mass import packed_kept_log_mass
 from fastgrpo.algorithms.tokens import importance_weights
@@ -112,3 +115,14 @@ def test_non_finite_logits_are_a_one_line_error(llama, monkeypatch, decode, kind
     message = str(err.value)
     assert "\n" not in message
     assert "decode step 2 of sequence 1 (prompt 0, sample 1)" in message and _BAD[kind] in message
+
+
+def test_a_run_whose_logits_turn_non_finite_stops_with_one_line(tmp_path, capsys, monkeypatch):
+    """Through the CLI: the same one-line error path as the update's non-finite guard, naming the training step."""
+    forward = HFEngine._forward_last
+    monkeypatch.setattr(HFEngine, "_forward_last",
+                        lambda self, *a: (lambda lg, cache: (torch.full_like(lg, float("nan")), cache))(
+                            *forward(self, *a)))
+    assert train.main([*TOY, f"output_dir={tmp_path}", "name=run"]) != 0
+    _one_line_error(capsys.readouterr().err, "step 1: rollout: the policy's logits were not finite at decode step 0 "
+                    "of sequence 0 (prompt 0, sample 0): NaN")

@@ -17,7 +17,8 @@ class RewardError(RunError):
 
 
 class NonFiniteError(RunError):
-    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+    """Too many optimizer steps in a row had a non-finite loss or gradient, or the rollout's sampler met non-finite
+    logits."""
 
 
 class Preempted(RunError):

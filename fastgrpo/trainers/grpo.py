@@ -28,6 +28,7 @@ from fastgrpo.algorithms.episodes import Episodes, collect_episodes, record_metr
 from fastgrpo.trainers import preflight
 from fastgrpo.trainers.evaluate import evaluate
 from fastgrpo.trainers.loop import TrainingLoop, build_scheduler, closes_on_error  # noqa: F401 (public here too)
+from fastgrpo.runtime.errors import NonFiniteError
 from fastgrpo.runtime.metrics import StepMetrics, Timer, add_throughput
 from fastgrpo.runtime.peaks import device_peak_flops
 from fastgrpo.runtime.step_cost import update_flops
@@ -270,6 +271,8 @@ class Trainer(TrainingLoop):
                 max_rounds=g.dynamic_sampling_max_rounds, scale_rewards=g.scale_rewards,
                 any_rank=lambda flag: fdist.all_reduce_int(int(flag), "max", device=self.device) > 0,
                 all_reduce=self._sum_over_ranks, metrics=metrics if metrics is not None else StepMetrics())
+        except NonFiniteError as e:  # the sampler met non-finite logits: the same one line as the update's guard
+            raise NonFiniteError(f"step {self.step + 1}: {e}") from None
         finally:
             self.engine.sleep()
 
