@@ -539,3 +539,24 @@ def test_flash_attention_2_runs_a_shared_row_through_the_varlen_kernel_on_gather
     model.config._attn_implementation = "sdpa"
     want = _logprobs(model, _packed(prompts, completions, 60, shared=False), n)
     _assert_same(got, want, "log-probs")
+
+
+def test_fsdp_two_ranks_with_shared_prefixes_equal_one_process_without(tmp_path):
+    """FSDP2 on 2 gloo ranks, each sharing its groups' prefixes (a group split over micro-batches, one rank padded
+    with dummy micro-batches) gives the gradients of one process without sharing."""
+    import sys
+    from pathlib import Path
+
+    import shared_prefix_ranks as spr
+    from _launch import run_ranks
+    from dist_helpers import tiny_qwen2
+
+    out = tmp_path / "rank0.pt"
+    run_ranks([sys.executable, str(Path(__file__).with_name("shared_prefix_ranks.py")), "--out", str(out)],
+              what="FSDP workers", timeout=120)
+    got = torch.load(out)
+    model = tiny_qwen2()
+    want_metrics = spr.update(model, list(range(16)), shared=False)
+    _assert_same_grads(model, got["grads"])
+    assert got["metrics"]["perf/update_tokens"] == want_metrics["perf/update_tokens"]
+    assert got["metrics"]["perf/update_tokens_forwarded"] < want_metrics["perf/update_tokens_forwarded"]
