@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from _launch import run_ranks
+from sampler_reference import kept_set_logprobs
 from fastgrpo.rollout.base import SamplingParams
 from fastgrpo.algorithms.losses import truncated_importance_weights as truncated_is_weights
 from fastgrpo.models.policy_state import clean_param_name, iter_full_tensors
@@ -121,6 +122,43 @@ def test_sampler_logprobs_equal_trainer_logprobs(engine, policy, temperature, rn
     out = engine.generate(prompts, 3, SamplingParams(max_tokens=10, temperature=temperature, logprobs=True))
     assert all(len(c.logprobs) == len(c.token_ids) for row in out for c in row)
     assert max_logprob_gap(policy, prompts, out, temperature) < TOL
+
+
+@needs_vllm
+@pytest.mark.parametrize("top_p,top_k", [(0.8, 0), (1.0, 5), (0.8, 40)])
+def test_truncated_sampling_logprobs_are_the_hf_engines_definition(engine, policy, tokenizer, top_p, top_k, rng):
+    """vLLM and the hf engine report the same number for a token: its log-prob under softmax(logits / T) over the
+    top_k / top_p kept set, renormalised; and the trainer's side, renormalised over its own kept set, makes the
+    importance ratio 1 on either engine's samples (unrenormalised it would be the kept mass S < 1)."""
+    from fastgrpo.algorithms.kept_mass import packed_kept_log_mass
+    from fastgrpo.algorithms.tokens import importance_weights
+    from fastgrpo.rollout.hf import HFEngine
+    from fastgrpo.runtime.metrics import StepMetrics
+    from fastgrpo.update.step import packed_logprobs, plan_packed
+
+    prompts = random_prompts(rng, 3)
+    sp = SamplingParams(max_tokens=10, temperature=0.9, top_p=top_p, top_k=top_k, seed=rng.randrange(1 << 20),
+                        logprobs=True)
+    outs = {"vllm": engine.generate(prompts, 3, sp), "hf": HFEngine(policy, tokenizer).generate(prompts, 3, sp)}
+    for name, out in outs.items():
+        for prompt, row in zip(prompts, out):
+            for c in row:
+                ids = torch.tensor([prompt + c.token_ids])
+                with torch.no_grad():
+                    logits = policy(ids).logits[0, len(prompt) - 1:-1].float()  # [L, V]
+                expected = kept_set_logprobs(logits, torch.tensor(c.token_ids), temperature=0.9, top_p=top_p,
+                                             top_k=top_k)
+                assert (torch.tensor(c.logprobs) - expected).abs().max() < TOL, name
+        seqs = [(p, c.token_ids) for p, row in zip(prompts, out) for c in row]
+        sampler = torch.tensor([lp for row in out for c in row for lp in c.logprobs])  # [N]
+        mbs = plan_packed([p for p, _ in seqs], [t for _, t in seqs], 4096, device="cpu")
+        old = packed_logprobs(policy, mbs, len(sampler), temperature=0.9, backend="torch")
+        mass = packed_kept_log_mass(policy, mbs, len(sampler), temperature=0.9, top_k=top_k, top_p=top_p)
+        metrics = StepMetrics()
+        importance_weights(old, sampler, cap=2.0, metrics=metrics, old_kept_log_mass=mass)
+        got = metrics.reduce()
+        assert abs(got["is/ratio_mean"] - 1) < 1e-3 and got["is/clipped_frac"] == 0, (name, got)
+        assert mass.exp().mean() < 0.99  # the factor the renormalisation removed
 
 
 @needs_vllm
