@@ -3,9 +3,10 @@
 Shapes: N rows (tokens), H hidden size, V vocabulary size.
 
 Two layers meet here. The objective, ``l_n`` as a function of the token's log-prob, is ``objective.TokenObjective``
-(the maths is written out there), built once from this function's arguments, which also validates them. The
-backends (``backend=``, resolved by ``backends.resolve_backend``) only turn log-probs and their gradient into
-products with the lm_head; they take the objective as one argument and ask it for what they need:
+(the maths is written out there), built once per call from a ``settings.LossSettings``, which checks the settings,
+and the call's per-row tensors. The backends (``backend=``, resolved by ``backends.resolve_backend``) only turn
+log-probs and their gradient into products with the lm_head; they take the objective as one argument and ask it for
+what they need:
   ``"cublas"``  CUDA default when a gradient is needed (``_gradfwd.loss_pass``): the gradient is formed in forward,
                chunk by chunk, from cuBLAS logits and ``TokenObjective.logp_grad``; three large products in all,
                the floor. Zero-weight rows skip the softmax work but not the products.

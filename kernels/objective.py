@@ -97,6 +97,7 @@ class TokenObjective:
 
     @property
     def beta(self) -> float:
+        """The KL term's weight (``settings.beta``); 0: no KL term."""
         return self.settings.beta
 
     def check_rows(self, n: int, token_weights: torch.Tensor) -> None:

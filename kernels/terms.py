@@ -16,12 +16,13 @@ __all__ = ["POLICY_LOSSES", "PolicyTerm", "clip_masks"]
 
 class PolicyTerm(NamedTuple):
     """One per-token policy term. ``loss(o, ratio, adv, logp) -> l_pg [N]`` (``o`` the ``LossSettings``),
-    differentiable through ``ratio`` and ``logp``; ``grad(o, ratio, adv) -> d l_pg / d logp [C]`` for a row-local objective, where
-    ``d ratio / d logp = ratio`` (also when old is None: ``exp(logp - sg(logp))``); ``clipped(eps_low, eps_high,
-    ratio, adv) -> (low, high)`` bool, the rows whose gradient the term's clip cuts off from below / above (both
-    all False for a term without a clip); ``clip_stat``: the extra statistic that counts ``high`` under the term's
-    own name (TRL's ``cispo_clip_ratio``), or None; ``bound_is_epsilon_high``: the ratio's cap is ``epsilon_high``
-    itself (not ``1 + epsilon_high``), so it must be > 0 and does not change with the importance level."""
+    differentiable through ``ratio`` and ``logp``; ``grad(o, ratio, adv) -> d l_pg / d logp [C]`` for a row-local
+    objective, where ``d ratio / d logp = ratio`` (also when old is None: ``exp(logp - sg(logp))``);
+    ``clipped(eps_low, eps_high, ratio, adv) -> (low, high)`` bool, the rows whose gradient the term's clip cuts off
+    from below / above (both all False for a term without a clip); ``clip_stat``: the extra statistic that counts
+    ``high`` under the term's own name (TRL's ``cispo_clip_ratio``), or None; ``bound_is_epsilon_high``: the
+    ratio's cap is ``epsilon_high`` itself (not ``1 + epsilon_high``), so it must be > 0 and does not change with
+    the importance level."""
 
     loss: Callable
     grad: Callable
