@@ -7,7 +7,7 @@ The fused kernel computes ``sum_n w_n * l_n`` (fastgrpo.kernels.linear_grpo_loss
 normaliser that gives w, decided once per step over the global batch, so the gradient does not depend on the
 micro-batch budget or the world size, plus the kernel's per-token policy term ``l``: one row of the loss-type table
 ``fastgrpo.kernels.loss_types.LOSS_TYPES`` (its ``weights`` column; the TRL adapter and the Liger-shaped module read
-the other columns). README's "Loss types" section lists them.
+the other columns). README's "Loss and algorithm options" lists them.
 
 With FSDP the per-rank gradients are *summed* (see parallelize.py), so these global weights give exactly the
 single-process gradient.
