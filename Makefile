@@ -42,7 +42,7 @@ demo: $(DEMO_STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# One command for a lent GPU machine, inside one 10-minute call (BUDGET_S, default 570 s): issue 23's verdict first
+# One command for a lent GPU machine, inside one 10-minute call (BUDGET_S, default 570 s): the headline verdict first
 # (fastgrpo vs TRL, decode vs generate), then the CUDA tests and kernel benchmarks; the summary table is printed last
 # and written to $OUT/summary.md (default OUT: benchmarks/results; see benchmarks/run_gpu.sh and RESULTS.md).
 bench-gpu:

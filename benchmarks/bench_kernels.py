@@ -19,10 +19,10 @@ Methods (same inputs from harness.make_inputs, bf16, DAPO-style token weights, o
   liger_triton Liger-Kernel's Triton grpo_loss op on materialised bf16 logits, when installed
   floor        three cuBLAS matmuls: hidden @ W.T, dZ @ W, dZ.T @ hidden (what any exact method must do)
 Peak MB is CUDA max_memory_allocated above the inputs, gradients included; "over grads MB" subtracts the two
-gradients every method must return (N x H and V x H in the inputs' dtype): that is the issue's "extra memory".
+gradients every method must return (N x H and V x H in the inputs' dtype): the method's "extra memory".
 The x-floor column is each method's time over the floor's for the same shape. --quick runs do not measure memory.
 
-CPU mode (--cpu): float32 forward + backward at the issue's shape (N=4096, H=896, V=151936: Qwen2.5-0.5B's head)
+CPU mode (--cpu): float32 forward + backward at the `issue` shape (N=4096, H=896, V=151936: Qwen2.5-0.5B's head)
 and the embedded tiny model's (H=64, V=263), methods called in turn (floor, ours, naive, ...) and repeated, so
 that load on a shared machine hits all alike; medians with the spread, and x-floor as the median of each round's
 ratio. Extra method there:

@@ -63,7 +63,7 @@ MODEL_SHAPES = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, vocab_size=257, tie_word_embeddings=True),
-    # The 108M random Qwen2 of the TRL comparison (issue 11): hidden 512, 8 layers, Qwen2.5's vocabulary.
+    # The 108M random Qwen2 of the TRL comparison (bench_trl.py): hidden 512, 8 layers, Qwen2.5's vocabulary.
     "qwen2-108m": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
 }

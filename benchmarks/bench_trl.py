@@ -187,8 +187,8 @@ def _profile_last(fn, spec: dict, step_of):
         prof = _PROFILE["prof"]
         if prof is not None:
             prof.stop()
-            # torch >= 2.4 names the device columns self_device_time_total (self_cuda_time_total sorted nothing on
-            # torch 2.11: the H100 tables of 2026-11-25/26 came out in call order)
+            # torch >= 2.4 names the device columns self_device_time_total (on torch 2.11 self_cuda_time_total sorts
+            # nothing: the table comes out in call order)
             key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             averages = prof.key_averages()
             table = averages.table(sort_by=key, row_limit=30, max_name_column_width=60)

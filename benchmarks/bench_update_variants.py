@@ -1,4 +1,4 @@
-"""The policy update of issue 38 in its variants, side by side on one device: float32 weights under autocast (the
+"""The policy update in its variants, side by side on one device: float32 weights under autocast (the
 one-GPU default), bf16 compute weights with float32 masters, + compiled blocks (static shapes), + CUDA graphs.
 
 Per work (S sequences of prompt P + completion L tokens) and variant: seconds per update (median of the timed
@@ -50,7 +50,7 @@ from fastgrpo.runtime.step_cost import update_flops  # noqa: E402
 from fastgrpo.update.bundle import build_trained  # noqa: E402
 
 WORKS = {  # name: (sequences, prompt tokens, completion tokens)
-    "s8": (8, 272, 32),  # issue 38's small work: 2,432 tokens
+    "s8": (8, 272, 32),  # the small, dispatch-bound work: 2,432 tokens
     "s64": (64, 272, 136),  # 26,112 tokens
     "long": (32, 272, 1024),  # long completions: 41,472 tokens
     "tiny": (6, 12, 20),  # --smoke
@@ -66,7 +66,7 @@ def variants(budget: int) -> dict[str, dict]:
         "bf16-masters": {"master_weights": True},
         "bf16-masters+compile": {"master_weights": True, "compile": True},
         "bf16-masters+graphs": {"master_weights": True, "cuda_graphs": True, "token_buckets": buckets},
-        # the blocks graphed, the head loss eager (the graphed variant before 2026-11-27)
+        # the blocks graphed, the head loss eager: what the head's graphs add
         "bf16-masters+block-graphs": {"master_weights": True, "cuda_graphs": True, "cuda_graphs_head": False,
                                       "token_buckets": buckets},
         "compile": {"compile": True},

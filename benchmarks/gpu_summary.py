@@ -1,4 +1,4 @@
-"""The verdict of one GPU call (``benchmarks/run_gpu.sh``): issue 23's comparisons, each with its ratio, its target
+"""The verdict of one GPU call (``benchmarks/run_gpu.sh``): the headline comparisons, each with its ratio, its target
 and met / not met / not run, then every step of the call with its status, and the start-up and warm-up times that
 the ratios leave out.
 
@@ -36,7 +36,7 @@ from benchmarks.bench_trl import markdown as trl_markdown  # noqa: E402
 
 @dataclass(frozen=True)
 class Target:
-    """One compared quantity: where it comes from and the bound issue 23 sets (None: reported, no target)."""
+    """One compared quantity: where it comes from and its target bound (None: reported, no target)."""
 
     label: str
     step: str
@@ -180,7 +180,7 @@ def summary(work: Path) -> str:
     verdicts = [*trl_verdicts(trl, steps), decode_verdict(decode_text, steps), tests]
 
     device = (work / "device.txt").read_text().strip() if (work / "device.txt").is_file() else "device: unknown"
-    out = [f"# GPU call: issue 23's verdict\n\n```\n{device}\n```\n",
+    out = [f"# GPU call: the headline verdict\n\n```\n{device}\n```\n",
            "| comparison | measured: median (range) | target | verdict |", "|---|---|---|---|",
            *(v.row() for v in verdicts)]
     if failed:

@@ -83,8 +83,8 @@ if [ "$QUICK" = 1 ]; then
   wait "$TEE_PID" 2>/dev/null
   exit $status
 fi
-# The graphed configuration on fastgrpo's side of every TRL comparison (the default was set against TRL on the H100,
-# 2026-11-27: RESULTS "The update alone"): bf16 weights + float32 masters, rows padded to the budget's buckets, CUDA
+# The graphed configuration on fastgrpo's side of every TRL comparison (the default's figures against TRL: RESULTS,
+# "The update alone"): bf16 weights + float32 masters, rows padded to the budget's buckets, CUDA
 # graphs of the blocks and the head. SMOKE (a CPU): the same without the graphs (refused off CUDA).
 if [ "$SMOKE" = 1 ]; then
   GRAPHED=(--fastgrpo-set parallel.master_weights=true --fastgrpo-set "parallel.token_buckets=[1024,2048,4096]"

@@ -52,15 +52,14 @@ class Work:
 
 
 WORKS = {
-    # The issue's first tiny run was 4 x 8 x 128 new tokens; half the prompts and tokens keep three alternated
-    # pairs inside a session on the shared 2-core CPU.
+    # 2 x 8 sequences of 64 new tokens: three alternated pairs fit a few minutes on a shared 2-core CPU.
     "tiny": Work(model="tiny", prompts_per_step=2, max_completion_length=64),
     "108m-shape": Work(model="108m", prompts_per_step=2, max_completion_length=32),
     # One prompt per step and one measured step: a 0.5B float32 step takes minutes on the 2-core CPU.
     "qwen0.5b-shape": Work(model="qwen2.5-0.5b", prompts_per_step=1, max_completion_length=32, steps=1),
     "qwen0.5b-2l-shape": Work(model="qwen2.5-0.5b-2l", prompts_per_step=1, max_completion_length=32),
     "qwen0.5b-4l-shape": Work(model="qwen2.5-0.5b-4l", prompts_per_step=1, max_completion_length=32),
-    # A real pretrained model (issue 36): SmolLM2-135M-Instruct, full fine-tuning in float32 like the works above;
+    # A real pretrained model: SmolLM2-135M-Instruct, full fine-tuning in float32 like the works above;
     # its real tokenizer and chat template render the same Countdown prompts. Two measured steps of 2 x 8 x 32.
     "smollm2": Work(model="smollm2-135m-instruct", prompts_per_step=2, max_completion_length=32),
 }

@@ -10,7 +10,7 @@ Paths (forward + backward of the GRPO loss, bf16, every token weighted, V = 1519
   cublas           ``backend="cublas"`` (kernels/_gradfwd.py): the three products per chunk plus two row kernels
   triton           ``backend="triton"`` (kernels/_triton.py): four Triton products (forward, dlogits, dhidden,
                    dweight), with the launch schedule of the code as it is
-  triton-before    the same kernels with the schedule before issue 15 (pid_m / pid_v fast grids, 2 programs per SM
+  triton-before    the same kernels with the naive schedule (pid_m / pid_v fast grids, 2 programs per SM
                    assumed, unbalanced chunks, no split-K, dW zeroed / read-modify-written / converted per chunk)
   liger-flce       Liger-Kernel's fused linear cross entropy (chunk = next_pow2(N / ceil(V / H)) rows, cuBLAS
                    products per chunk, grad_weight accumulated in the weight's dtype), modelled the same way
@@ -309,7 +309,7 @@ TARGETS = {"cublas": 1.15, "triton": 1.5}
 
 
 def summary_table(rows: list[dict]) -> str:
-    lines = ["| device | N | H | floor ms | cublas ms (x floor) | triton ms (x floor) | triton before issue 15 "
+    lines = ["| device | N | H | floor ms | cublas ms (x floor) | triton ms (x floor) | triton, naive schedule "
              "(x floor) | Liger FLCE ms (x floor) |", "|---|---|---|---|---|---|---|---|"]
     keyed = {(r["device"], r["n"], r["h"], r["path"]): r for r in rows}
     for dev, n, h in dict.fromkeys((r["device"], r["n"], r["h"]) for r in rows):
@@ -320,7 +320,8 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def kernel_table(rows: list[dict], device: str) -> str:
-    """Per-kernel milliseconds (summed over chunks) of the Triton path before / after issue 15 and the cublas path."""
+    """Per-kernel milliseconds (summed over chunks) of the Triton path with the naive and the current schedule, and of
+    the cublas path."""
     tri = ("_fwd_kernel", "_dlogits_kernel", "_dhidden_kernel", "_dweight_kernel")
     lines = [f"{device}, per kernel (ms, summed over chunks)",
              "| N | H | path | " + " | ".join(tri) + " | other | total |", "|---|---|---|---|---|---|---|---|---|"]

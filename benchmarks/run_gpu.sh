@@ -37,8 +37,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 # The budget: everything, set-up included, ends inside BUDGET_S (default 570 s of a 600 s call). Each step runs under
 # its own limit, cut to what is left before the summary's reserve; a step with under 20 s left is skipped and listed
-# as such. Limits (s), in the order the steps run (priority order); expected times from the first H100 run
-# (2026-11-23) where known:
+# as such. Limits (s), in the order the steps run (priority order); expected times from an H100 run where known:
 #   set-up        -    wheels, fastgrpo importable, device line (~10 s)
 #   trl         220    bench_trl: both model folders first (the 0.5B one is built on the CPU), then a pair of each
 #                      work per round (0.5B shapes, then tiny), up to 3 rounds, 2 warm-up + 10 timed steps per run;
@@ -46,7 +45,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 #                      20-45 s with 3 steps, mostly start-up: expect 2 pairs of the 0.5B work and 1-2 of the tiny one
 #   update      150    bench_trl --update-only: the update alone, TRL padded vs fastgrpo packed, 64 sequences
 #   profile      80    bench_trl --profile at the 0.5B shapes, both sides: torch.profiler tables of one update, CPU and
-#                      CUDA time, printed into log.txt (why fastgrpo's small-batch update is 1.4x TRL's, 2026-11-26)
+#                      CUDA time, printed into log.txt (where the small-batch update's time goes on each side)
 #   decode       90    bench_rollout --hf-vs-generate: 8 prompts x 8 samples = 64 sequences, 3 rounds (~40 s)
 #   accuracy     30    kernel_accuracy, bf16 vs float64 (~15 s)
 #   pytest      150    kernels, packing, losses, decode tests on CUDA, 4 pytest-xdist workers (133 items took over

@@ -1,4 +1,4 @@
-"""Does a bf16 run with float32 masters (``parallel.master_weights``) track the float32 run? (issue 38, CPU)
+"""Does a bf16 run with float32 masters (``parallel.master_weights``) track the float32 run? (CPU)
 
 N SFT updates on the tiny model through the trainer's update path (``build_trained`` -> ``sft_update`` ->
 ``optimizer_update``) in three set-ups from the same weights and batches: float32 (the CPU default), bf16 compute

@@ -1,4 +1,4 @@
-"""The algorithm choices of the GRPO update (issue 13), each against a value computed independently:
+"""The algorithm choices of the GRPO update, each against a value computed independently:
 GSPO (sequence-level importance sampling), mask_truncated_completions, self-imitation on the k best of n, the
 top-entropy-quantile mask (DAPO's dynamic sampling: test_sampling.py).
 

@@ -1,6 +1,6 @@
 """The side-by-side benchmark against TRL gives both trainers the same work (benchmarks/peer_work.py), keeps
-start-up and warm-up out of its ratios (benchmarks/bench_trl.py), and the GPU call's summary gives each of issue 23's
-targets its verdict (benchmarks/gpu_summary.py; on fabricated step outputs, never a device's figures).
+start-up and warm-up out of its ratios (benchmarks/bench_trl.py), and the GPU call's summary gives each headline
+target its verdict (benchmarks/gpu_summary.py; on fabricated step outputs, never a device's figures).
 
 Runs without TRL: the fastgrpo side is checked through fastgrpo's own config loader; the TRL side through
 GRPOConfig only where TRL is installed (the bench environment, `make bench-env`).
@@ -37,7 +37,7 @@ def test_both_configs_ask_for_the_same_grpo_run(name, engine, tmp_path):
 
 
 def test_fastgrpo_set_overrides_reach_the_config_fastgrpo_reads(tmp_path):
-    """--fastgrpo-set (issue 38: the graphed configuration against TRL): dotted keys, values read as YAML, the
+    """--fastgrpo-set (e.g. the graphed configuration against TRL): dotted keys, values read as YAML, the
     shared GRPO settings unchanged."""
     spec = _spec("tiny", "hf", tmp_path) | {"fastgrpo_set": [
         "parallel.master_weights=true", "parallel.token_buckets=[2048,4096]", "grpo.max_tokens_per_microbatch=4096"]}

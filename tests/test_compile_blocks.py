@@ -1,4 +1,4 @@
-"""Compiled blocks (issue 38, ``parallel.compile``): each decoder block compiled with ``fullgraph=True,
+"""Compiled blocks (``parallel.compile``): each decoder block compiled with ``fullgraph=True,
 dynamic=False`` on the CPU with inductor (the backend that runs on a GPU too; a warm inductor cache makes the test
 ~10 s, a cold one ~30 s on 2 cores). Through the real GRPO update (``grpo_update`` -> ``plan_step`` with the model's
 token buckets -> ``optimizer_update``): no graph break, no recompile across steps whose micro-batches fall in the

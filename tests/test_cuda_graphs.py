@@ -1,5 +1,5 @@
-"""CUDA graphs of the decoder blocks per token bucket and of the head loss per padded row count (issue 38,
-``parallel.cuda_graphs``): refused with one line on a machine without CUDA; on a GPU, a graphed update gives the
+"""CUDA graphs of the decoder blocks per token bucket and of the head loss per padded row count
+(``parallel.cuda_graphs``): refused with one line on a machine without CUDA; on a GPU, a graphed update gives the
 eager update's loss and gradients, a row that fits no bucket runs eagerly, and replays launch no capture again (these
 skip without CUDA)."""
 

@@ -1,5 +1,5 @@
 """Failure behaviour through the command line (README "Failure behaviour"): nothing a user or a reward function does
-can poison, hang or silently damage a run. One test per numbered case of issue 12.
+can poison, hang or silently damage a run. One test per case of docs/FAILURES.md.
 
 Most runs call ``fastgrpo.train.main`` in this process (as the CLI does, without an interpreter start each); the
 ones about signals, kills and torchrun start real processes.
@@ -35,7 +35,7 @@ from pathlib import Path
 def neg_inf(completions, **kw):
     return [-math.inf] + [1.0] * (len(completions) - 1)
 
-def huge(completions, **kw):  # finite, but beyond float32's range / (2 F): a too_large failure (issue 24)
+def huge(completions, **kw):  # finite, but beyond float32's range / (2 F): a too_large failure
     return [3e38] * len(completions)
 
 def one_float(completions, **kw):
@@ -225,7 +225,7 @@ def test_9_a_plugin_returning_a_float_with_on_error_raise_is_a_one_line_error(tm
 def test_1_non_finite_updates_are_skipped_then_the_run_stops_naming_step_and_cause(tmp_path, capsys, monkeypatch):
     import fastgrpo.algorithms.episodes
 
-    # No reward can make the advantages non-finite any more (issue 24: too_large); stand in for any other cause.
+    # No reward can make the advantages non-finite (too_large catches it first); stand in for any other cause.
     def infinite_advantages(*args, **kwargs):
         result = compute_advantages(*args, **kwargs)
         result.advantages.fill_(math.inf)
@@ -296,7 +296,7 @@ def test_5_a_run_killed_before_its_export_writes_it_on_rerun(tmp_path, capsys):
     assert "nothing to do" in capsys.readouterr().out
 
 
-# issue 24: no silent wrong results from rewards and data -------------------------------------------------------------
+# no silent wrong results from rewards and data -------------------------------------------------------------------
 
 # (the plugin fixture's file holds these functions too)
 PLUGIN_24 = '''
@@ -447,7 +447,7 @@ def test_24_10_rows_missing_a_rewards_column_are_counted_as_its_errors(tmp_path,
     assert [r["reward/needs_answer/mean"] for r in rows] == [1 - e / 16 for e in errors]  # they score 0, others 1
 
 
-# issue 24: no silent wrong results from a rerun, a long prompt, a signal or a config mistake -------------------------
+# no silent wrong results from a rerun, a long prompt, a signal or a config mistake -------------------------------
 
 PLUGIN_SIGNALS = '''
 import os, signal

@@ -1,4 +1,4 @@
-"""The trainer with ``parallel.cuda_graphs`` (issue 38) on the CPU, the capture stood in by eager calls: what a GPU
+"""The trainer with ``parallel.cuda_graphs`` on the CPU, the capture stood in by eager calls: what a GPU
 run would go through around the graphs (the block graphs' dispatch, the head graphs, the parameters' own gradient
 buffers, rollout and log-prob passes on the same modules, checkpoints, a resume, LoRA) trains bit-identically to
 the same run without graphs. The captures themselves need CUDA: tests/test_cuda_graphs.py."""

@@ -1,4 +1,4 @@
-"""bf16 compute weights with float32 masters (issue 38, ``parallel.master_weights``): the optimizer is AdamW on the
+"""bf16 compute weights with float32 masters (``parallel.master_weights``): the optimizer is AdamW on the
 masters, its state survives a state-dict round trip in float32, and an SFT run on the tiny model in bf16 tracks the
 float32 run (the default on a CPU) through the trainer's own update path (the one GRPO, PPO and SFT share)."""
 

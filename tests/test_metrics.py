@@ -123,7 +123,7 @@ def test_nothing_is_read_from_the_device_before_reduce_and_reduce_reads_once():
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_decode_step_bytes_counts_the_weights_per_batch_and_every_sequences_cache(tied):
-    """The decode floor's bytes (issue 38): weights once per batch of sequences (the input embedding only where it
+    """The decode floor's bytes: weights once per batch of sequences (the input embedding only where it
     is the head), keys and values of every sequence's context once; counted by hand on a small Qwen2."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -1,4 +1,4 @@
-"""PPO with a critic (issue 26): GAE and the value loss by hand, the critic's packed forward against unpadded
+"""PPO with a critic: GAE and the value loss by hand, the critic's packed forward against unpadded
 sequences, 1 vs 2 ranks, and the trainer end to end (learning, a sign-flipped control, resume, LoRA, config)."""
 
 from __future__ import annotations

@@ -363,7 +363,7 @@ def test_countdown_claim_may_be_wider_than_any_literal():
 
 
 def test_built_ins_scored_in_process_only_read_their_arguments():
-    """The runner gives these built-ins the step's own lists, uncopied (issue 24): a change would reach the next
+    """The runner gives these built-ins the step's own lists, uncopied: a change would reach the next
     reward and the trainer's data."""
     import copy
 

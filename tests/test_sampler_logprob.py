@@ -3,6 +3,8 @@ handling of non-finite logits (a one-line error naming the decode step, the sequ
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_plugin_and_run_failures import TOY, _one_line_error
@@ -126,3 +128,17 @@ def test_a_run_whose_logits_turn_non_finite_stops_with_one_line(tmp_path, capsys
     assert train.main([*TOY, f"output_dir={tmp_path}", "name=run"]) != 0
     _one_line_error(capsys.readouterr().err, "step 1: rollout: the policy's logits were not finite at decode step 0 "
                     "of sequence 0 (prompt 0, sample 0): NaN")
+
+
+@pytest.mark.parametrize("truncation", [["rollout.top_p=0.8"], ["rollout.top_k=20", "rollout.top_p=0.9"]])
+def test_a_truncated_run_logs_importance_ratios_of_one(tmp_path, truncation):
+    """A run with top_p / top_k and the importance-sampling cap: its sampler and trainer are the same float32 model,
+    so every logged ratio is 1 (the trainer renormalises over its kept set as the sampler does)."""
+    assert train.main([*TOY, f"output_dir={tmp_path}", "name=run", "max_steps=2", "rollout.max_completion_length=8",
+                       "rollout.importance_sampling_cap=2.0", *truncation]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "is/ratio_mean" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert abs(r["is/ratio_mean"] - 1) < 1e-4 and abs(r["is/weight_mean"] - 1) < 1e-4, r
+        assert 1 - 1e-3 < r["is/ratio_min"] <= r["is/ratio_max"] < 1 + 1e-3 and r["is/clipped_frac"] == 0, r

@@ -1,4 +1,4 @@
-"""Static shapes (issue 38): packed rows padded to token buckets give the loss and gradients of the unpadded rows,
+"""Static shapes: packed rows padded to token buckets give the loss and gradients of the unpadded rows,
 through the real packed forward and the fused GRPO head on the tiny model, for every attention backend that runs a
 packed row on a CPU; the padded tensors have the fixed shapes a compiled block or a CUDA graph needs."""
 

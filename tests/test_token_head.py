@@ -1,5 +1,5 @@
-"""The head losses as ``TokenHead`` (fastgrpo.update.head): what a CUDA graph of the head (issue 38,
-``parallel.cuda_graphs_head``) relies on, checked on the CPU. Every head the trainer builds (the GRPO-family policy
+"""The head losses as ``TokenHead`` (fastgrpo.update.head): what a CUDA graph of the head
+(``parallel.cuda_graphs_head``) relies on, checked on the CPU. Every head the trainer builds (the GRPO-family policy
 losses, SFT's) gives on its rows padded with zero rows the loss, the gradients and the stats of the real rows; the
 padded row counts are few; and the head graphs' plumbing (gather, pad, capture per shape, replay, stats) gives the
 eager update, with the capture itself replaced by an eager stand-in (the real capture: tests/test_cuda_graphs.py,

@@ -29,11 +29,11 @@ def test_warm_model_is_built_once_by_its_recipe_and_keyed_by_its_hash(tmp_path, 
 
 
 def test_keys_added_later_leave_the_cache_key_while_they_keep_the_old_behaviour(monkeypatch):
-    """optim.implementation (2026-11-26) is 'auto', foreach on the build's CPU, as the builds ran before it existed:
+    """optim.implementation is 'auto', foreach on the build's CPU, as the builds ran before the option existed:
     the folder stays the one already cached; another value is another folder."""
     recipe = warm.WARM_RECIPES["countdown"]
     before = warm.warm_folder("countdown")
-    # the key every cache has held since _WARM_VERSION w2 (2026-11-25): a change here rebuilds every user's warm
+    # the key every cache holds at _WARM_VERSION w2: a change here rebuilds every user's warm
     # models and moves the demo's starting point, so it is made on purpose (a new recipe or version), not by a new key
     assert before.name == "tiny-countdown-fa3ddf570a72"
     monkeypatch.setitem(warm.WARM_RECIPES, "countdown", recipe + ["optim.implementation=auto"])

@@ -540,8 +540,8 @@ class ParallelConfig:
     one_gpu: Literal["plain", "fsdp"] = "plain"
     """One CUDA process: 'plain' keeps a plain module with float32 master weights whose forwards run under autocast
     to ``param_dtype`` (as torch AMP and TRL's bf16 do), and the hf rollout engine decodes with a ``param_dtype``
-    copy of the weights, refreshed after every optimizer step; 'fsdp' wraps it in FSDP2 as with several ranks (the
-    default before 2026-11-25; its one-rank gathers cost launches, and its DTensors rule out the lean decode step)."""
+    copy of the weights, refreshed after every optimizer step; 'fsdp' wraps it in FSDP2 as with several ranks (slower
+    on one GPU: its one-rank gathers cost launches, and its DTensors rule out the lean decode step)."""
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Compute dtype on CUDA: FSDP2's gathered parameters, or the autocast dtype of one plain GPU (a CPU computes in
     float32 unless ``master_weights``)."""

@@ -139,7 +139,7 @@ def destroy_distributed(*, barrier: bool = True) -> None:
 
     The barrier keeps a rank that finished first from closing its gloo connections while a peer is still in (or
     entering) its last collective: on the CPU that races the peer's gloo threads, and the process dies at exit with
-    "terminate called without an active exception" after its work is done (seen in CI, 2026-11-27). A run that
+    "terminate called without an active exception" after its work is done (as seen in CI). A run that
     ends in an error skips it: a peer that died would leave it waiting forever.
     """
     if is_distributed():

@@ -47,7 +47,7 @@ from fastgrpo.runtime.files import folder_problem, publish_folder
 __all__ = ["WARM_RECIPES", "build_warm", "recipe_config", "warm_base", "warm_folder"]
 
 # Bump when the SFT code changes in a way the resolved config does not show (e.g. the trace writer).
-_WARM_VERSION = "w2"  # w2: AdamW with foreach=True (2026-11-25): other rounding, so another model
+_WARM_VERSION = "w2"  # w2: AdamW with foreach=True: other rounding than the per-parameter loop, so another model
 
 # Torch threads of the build (see build_warm): 2, the demo machine's core count.
 _BUILD_THREADS = 2

@@ -103,7 +103,7 @@ def grpo_errors(shape: Shape, *, dtype, backend, old=True, beta=0.0, delta=None,
 
 
 def assert_bf16_loss_error_at_most_twice_plain(shape: Shape, *, device, backend, chunk_size, seed):
-    """The issue's bf16 criterion for a loss path: its error against float64 is at most 2x that of the plain bf16
+    """The bf16 criterion for a loss path: its error against float64 is at most 2x that of the plain bf16
     torch computation, for the loss and both gradients (on benchmarks/kernel_accuracy.py's inputs)."""
     from benchmarks.kernel_accuracy import errors
 

@@ -87,7 +87,7 @@ def test_cublas_grpo_loss_fp32_matches_reference(case):
 
 
 def test_cublas_bf16_error_at_most_twice_torch_bf16():
-    # The issue's bf16 criterion: error against float64 at most 2x that of the plain bf16 torch computation.
+    # The bf16 criterion: error against float64 at most 2x that of the plain bf16 torch computation.
     assert_bf16_loss_error_at_most_twice_plain(Shape(n=64, h=32, v=320), device="cpu", backend="cublas",
                                                chunk_size=32, seed=5)
 
@@ -222,7 +222,7 @@ def test_trainer_update_on_the_cublas_path_equals_the_torch_path(tmp_path, monke
         torch.testing.assert_close(grads["cublas"][name], g, rtol=1e-4, atol=1e-7, msg=name)
 
 
-# ------------------------------------------------- every path: bad targets, empty batches (issue 15, items 4, 6)
+# ------------------------------------------------------------------------ every path: bad targets, empty batches
 PATHS = ("torch", "triton", "cublas")
 
 
@@ -323,7 +323,7 @@ def test_cublas_products_reduce_in_float32_and_settings_are_restored():
     assert matmul.allow_bf16_reduced_precision_reduction
 
 
-# ------------------------------------------------------- a frozen head (LoRA) or a frozen trunk (issue 14)
+# ---------------------------------------------------------------------- a frozen head (LoRA) or a frozen trunk
 @pytest.mark.parametrize("frozen", FROZEN)
 @pytest.mark.parametrize("backend, fn, chunk_size", [("triton", "logprobs", 16), ("triton", "logprobs", None),
                                                      ("triton", "loss", 16), ("cublas", "loss", 16)],
@@ -377,7 +377,7 @@ def test_logprobs_with_bias_match_reference(backend):
     assert rel_err(logp, ref) <= TOL
 
 
-# ---------------------------------------- zero rows appended change nothing (issue 38: the head's CUDA graphs)
+# ---------------------------------------------- zero rows appended change nothing (what the head's graphs pad)
 @pytest.mark.parametrize("backend, sequences", [("triton", None), ("triton", 2), ("cublas", None)],
                          ids=["triton", "triton-gspo", "cublas"])
 def test_zero_rows_appended_change_nothing(backend, sequences):

@@ -108,7 +108,7 @@ def test_cublas_grad_weight_summed_over_many_chunks_stays_within_the_bf16_criter
 
 
 def test_cublas_peak_memory_is_one_buffer_plus_gradients():
-    # The "extra memory": above the inputs and the two gradients, only the [C, V] buffer and vectors
+    # The "extra memory": above the inputs and the two gradients, only the [C, V] buffer and vectors
     # (16 chunks: grad_weight summed in bf16, no float32 [V, H] buffer).
     shape = Shape(n=4096, h=256, v=65536)
     inp = make_inputs(shape, dtype=torch.bfloat16, device="cuda", seed=17)

@@ -1,4 +1,4 @@
-"""CUDA-only checks of issue 15's fixes (skipped without a GPU): the device-side target check on every path (no
+"""CUDA-only checks of the Triton launch schedule (skipped without a GPU): the device-side target check on every path (no
 host sync when the ids are fine; a bad id stops the process with the check's message), the occupancy the
 launcher reads from the compiled kernel, and the Triton path's numerics under its real schedule (splits, split-K,
 several chunks) at a bench-like vocabulary."""

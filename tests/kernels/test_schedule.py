@@ -1,4 +1,4 @@
-"""The Triton path's launch schedule, host side (issue 15, items 1-3): occupancy from a compiled kernel's resources,
+"""The Triton path's launch schedule, host side: occupancy from a compiled kernel's resources,
 vocabulary splits and split-K sized against waves, balanced backward chunks, L2-sized launch groups. Pure
 arithmetic on the sm_90 figures benchmarks/check_hopper.py reports; the kernels' numerics under every schedule
 choice are tested in interpret_cases.py."""
