@@ -12,7 +12,7 @@ def test_shipped_configs_load():
         assert cfg.name
 
 
-def test_instruct_and_base_recipes_match_the_issue():
+def test_the_qwen_countdown_recipes_hold_their_published_settings():
     inst = load_config("configs/qwen2.5-3b-instruct-countdown.yaml")
     assert inst.model.name_or_path == "Qwen/Qwen2.5-3B-Instruct"
     assert (inst.optim.lr, inst.grpo.beta, inst.grpo.num_generations) == (5e-7, 0.001, 8)
