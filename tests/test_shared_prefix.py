@@ -439,6 +439,41 @@ def test_a_planted_fault_fails_the_update_comparison(fault, monkeypatch):
         _assert_update_matches(tiny_model("qwen2", "sdpa_varlen"), _grpo_batch(26), budget=200, loss_type="dapo")
 
 
+def test_multi_turn_update_with_environment_tokens_shared_equals_unshared():
+    """A multi-turn batch: environment tokens inside the completions (model_mask False: attended, weight 0)."""
+    batch = _grpo_batch(27)
+    g = torch.Generator().manual_seed(3)
+    batch.model_mask = torch.rand(sum(map(len, batch.completion_ids)), generator=g) > 0.3  # [N]
+    _assert_update_matches(tiny_model("qwen2", "sdpa_varlen"), batch, budget=60, loss_type="dapo")
+
+
+def test_the_trainer_step_shares_by_default_and_logs_both_counts(tmp_path):
+    """The trainer's own step (the golden test's run, G = 4 samples of 3 prompts, sdpa_varlen on a CPU): 'auto'
+    shares, the record counts the sequences' tokens and, fewer, the tokens forwarded; with sharing off the two agree
+    and the loss is the same."""
+    from test_golden import ScriptedEngine
+
+    from fastgrpo.config import load_config
+    from fastgrpo.models.loading import load_tokenizer
+    from fastgrpo.trainers.grpo import Trainer
+
+    records = {}
+    for setting in ("auto", "false"):
+        cfg = load_config(None, [
+            "data.source=toy", "rewards.funcs=[toy_digit]", "model.name_or_path=tiny", "device=cpu", "seed=3",
+            "rollout.max_completion_length=5", "grpo.prompts_per_step=3", "grpo.num_generations=4",
+            "grpo.max_tokens_per_microbatch=1024", "eval.every=-1", "log.progress=false", "checkpoint.resume=never",
+            f"grpo.shared_prefix={setting}", f"output_dir={tmp_path / setting}"])
+        torch.manual_seed(0)
+        trainer = Trainer(cfg, engine=ScriptedEngine(load_tokenizer(cfg.model, seed=cfg.seed)))
+        records[setting], _ = trainer.train_step()
+    on, off = records["auto"], records["false"]
+    assert on["perf/update_tokens"] == off["perf/update_tokens"] == off["perf/update_tokens_forwarded"]
+    assert on["perf/update_tokens_forwarded"] < on["perf/update_tokens"]
+    assert on["perf/update_tokens_forwarded_per_s"] < on["perf/update_tokens_per_s"]
+    _assert_same(torch.tensor(on["loss"]), torch.tensor(off["loss"]), "loss")
+
+
 def test_lora_update_with_the_base_as_reference_shared_equals_unshared():
     pytest.importorskip("peft")
     from dist_helpers import tiny_lora
