@@ -75,8 +75,9 @@ class Algorithm:
     name: str
     update: Callable[[Any, StepInputs], None]
     """``update(episodes, step)``: the optimizer updates of one step (the policy's and the extra models'); it logs
-    ``perf/update_tokens`` (the packed tokens it ran without bucket padding, for the throughput) besides its own
-    metrics."""
+    ``perf/update_tokens`` (the sequences' own tokens it trained on, for the throughput) and
+    ``perf/update_tokens_forwarded`` (what the trunk ran: shared prefixes once, no bucket padding) besides its own
+    metrics (``fastgrpo.update.step.count_update_tokens``)."""
     needs_reference: Callable[[Any], bool]
     """Whether a run config needs the frozen reference policy (a KL term)."""
     policy_updates: Callable[[Any], int]
