@@ -615,3 +615,17 @@ def test_smollm2_shared_rows_give_the_unshared_logprobs_and_gradients(smollm2):
         _assert_same_grads(model, grads, rtol=1e-4)
     finally:
         model.zero_grad(set_to_none=True)  # the session's shared model: no gradients left behind
+
+
+def test_the_packed_forward_of_a_shared_row_reads_nothing_back():
+    """No host sync in sdpa_varlen's shared path: the key boundaries come as host ints from the plan."""
+    from benchmarks.op_counter import OpCounter
+
+    model = tiny_model("qwen2", "sdpa_varlen")
+    prompts, completions = grouped_batch(seed=17)
+    mbs = _packed(prompts, completions, 1000, shared=True)
+    counter = OpCounter()
+    with counter.active():
+        packed_head_forward(model, mbs[0], lambda h, w: (h @ w.T).sum())
+    assert counter.total(kind="syncs") == 0, dict(counter.by_name(kind="syncs"))
+    assert counter.total() > 50  # it counted the forward

@@ -159,12 +159,17 @@ def _sdpa_per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         i = torch.arange(n, device=query.device)
         return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < sliding_window)
 
+    masks: dict[tuple[int, int], torch.Tensor] = {}  # bottom-right causal masks by (queries, keys): one per shape
+
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [1, Hq, L_i, d]
         if q.shape[2] != k.shape[2]:  # a sequence's own segment after its shared prefix
             if sliding_window is not None and sliding_window < k.shape[2]:
                 raise ValueError("model.attn_implementation=sdpa_varlen: a shared prefix with sliding-window "
                                  "layers is not supported (set the update's shared_prefix to false)")
-            mask = bottom_right_causal(q.shape[2], k.shape[2], q.device)
+            shape = (q.shape[2], k.shape[2])
+            mask = masks.get(shape)
+            if mask is None:
+                mask = masks[shape] = bottom_right_causal(*shape, q.device)
         else:
             mask = band(q.shape[2])
         return torch.nn.functional.scaled_dot_product_attention(
