@@ -232,6 +232,33 @@ def _assert_same_samples(static, growing, *, tol: float = 1e-5) -> None:
     assert diverged <= 1, f"{diverged} completions diverged: more than rounding ties explain"
 
 
+@pytest.mark.parametrize("decode", ["lean", "transformers"])
+@pytest.mark.parametrize("family", ["llama", "default"])
+def test_each_prompt_is_prefilled_once_with_the_same_samples(models, rng, monkeypatch, decode, family):
+    """n samples of a prompt share one prefill (its KV cache fanned out to them), and give the tokens and log-probs
+    of a prefill per sample (the same prompt passed n times with n=1: the same rows, chunks and draws), with left
+    padding and chunks that start and end inside a prompt's samples (n=3, batch_size=4)."""
+    model, tok = models[family]
+    prompts = _prompts(tok, 4, rng, lo=1, hi=30)
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=rng.randrange(1 << 30), logprobs=True)
+    prefills = []
+    forward = HFEngine._forward_last
+
+    def counted(self, ids, mask, pos, cache):
+        if not cache.layers[0].is_initialized:  # a chunk's prefill: its rows
+            prefills.append(ids.shape[0])
+        return forward(self, ids, mask, pos, cache)
+
+    monkeypatch.setattr(HFEngine, "_forward_last", counted)
+    engine = HFEngine(model, tok, batch_size=4, decode=decode)
+    shared = engine.generate(prompts, 3, params)
+    assert prefills == [2, 2, 2]  # the chunks' prompts: rows 0-3 (prompts 0, 0, 0, 1), 4-7 (1, 1, 2, 2), 8-11 (2, 3, ...)
+    prefills.clear()
+    per_sample = engine.generate([p for p in prompts for _ in range(3)], 1, params)
+    assert prefills == [4, 4, 4]
+    _assert_same_samples([[c] for row in shared for c in row], [[c] for row in per_sample for c in row])
+
+
 def test_a_chunks_draws_do_not_depend_on_the_chunks_before_it(models, rng):
     """Each chunk has its own seeded stream: the second chunk's samples are the same whether or not the first
     chunk ran to max_tokens (here: the first chunk's prompts differ, so it stops at another step)."""

@@ -358,16 +358,22 @@ class HFEngine(RolloutEngine):
     def _generate_chunk(self, seqs: list[list[int]], sampling: SamplingParams, generator: torch.Generator,
                         device: torch.device, lean: LeanDecoder | None, *, first_row: int = 0,
                         n: int = 1) -> list[Completion]:
-        """The completions of ``seqs`` (sequences ``first_row ...`` of a call with ``n`` samples per prompt)."""
+        """The completions of ``seqs`` (sequences ``first_row ...`` of a call with ``n`` samples per prompt).
+
+        Each prompt of the chunk is prefilled once (U rows, U <= N) and its KV cache, positions and last logits are
+        fanned out to its samples (:func:`_fan_out`); the decode steps then run on the N rows."""
         N, P = len(seqs), max(len(s) for s in seqs)
-        ids = torch.full((N, P), self.pad_id, dtype=torch.long)  # [N, P] left-padded
-        mask = torch.zeros((N, P), dtype=torch.long)  # [N, P]
-        for i, s in enumerate(seqs):
+        firsts, fan_out = _fan_out(first_row, N, n)  # U first rows of the chunk's prompts; [N] row -> its prompt
+        U = len(firsts)
+        ids = torch.full((U, P), self.pad_id, dtype=torch.long)  # [U, P] left-padded
+        mask = torch.zeros((U, P), dtype=torch.long)  # [U, P]
+        for i, row in enumerate(firsts):
+            s = seqs[row]
             ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
             mask[i, P - len(s):] = 1
         max_len = P + sampling.max_tokens
         full_mask = torch.ones((N, max_len), dtype=torch.long)  # [N, P + max_tokens]: step t reads [:, :P + t]
-        full_mask[:, :P] = mask
+        full_mask[:, :P] = mask[fan_out]
         ids, full_mask = ids.to(device), full_mask.to(device)
         pos = (full_mask[:, :P].cumsum(-1) - 1).clamp(min=0)  # [N, P] positions of real tokens start at 0
         eos = torch.tensor(self.eos_ids, device=device)
@@ -376,7 +382,12 @@ class HFEngine(RolloutEngine):
         tokens, logps, peaks = [], [], []  # T tensors of [N]
         finished = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
         cache = preallocated_kv_cache(self.model, max_len)  # None: transformers' default cache
-        logits, cache = self._forward_last(ids, full_mask[:, :P], pos, cache)
+        rows = torch.tensor(firsts, device=device)  # [U]
+        logits, cache = self._forward_last(ids, full_mask[rows, :P], pos[rows], cache)  # [U, V]
+        if U < N:
+            index = fan_out.to(device)  # [N]
+            logits = logits[index]  # [N, V]
+            cache.batch_select_indices(index)  # [U, ...] -> [N, ...] per layer
         next_pos = pos[:, -1:] + 1  # [N, 1]
         graphed = None
         if lean is not None:
@@ -440,6 +451,16 @@ class HFEngine(RolloutEngine):
                        logprobs=lp[:f + 1] if want_logprobs else None)
             for ids, text, f, lp in zip(kept, texts, first, logps)
         ], None
+
+
+def _fan_out(first_row: int, num_rows: int, n: int) -> tuple[list[int], torch.Tensor]:
+    """Rows ``first_row ... first_row + num_rows - 1`` of a call's prompt-major sequences (row r is sample ``r % n``
+    of prompt ``r // n``): the chunk-local first row of each prompt in the chunk [U], and each row's prompt among
+    those [num_rows] (a chunk may start or end inside a prompt's samples)."""
+    prompt = torch.arange(first_row, first_row + num_rows) // n  # [N]
+    index = prompt - prompt[0]  # [N] 0 .. U - 1, non-decreasing
+    firsts = torch.searchsorted(index, torch.arange(int(index[-1]) + 1)).tolist()  # [U]
+    return firsts, index
 
 
 def _non_finite_message(peak: float, step: int, row: int, n: int) -> str:

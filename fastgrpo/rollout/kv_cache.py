@@ -44,6 +44,19 @@ def _preallocated_layer_class():
             self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
             return self.keys, self.values
 
+        def batch_select_indices(self, indices):  # indices: [B'] rows, repeats allowed
+            """Row ``indices[i]`` becomes row i, in new buffers of the same length (the hf engine fans one prefilled
+            prompt out to its samples this way); only the filled slots are copied."""
+            if not self.is_initialized:
+                return
+            end = self.keys.shape[-2]
+            k = self._k.new_empty((len(indices), *self._k.shape[1:]))
+            v = self._v.new_empty((len(indices), *self._v.shape[1:]))
+            k[:, :, :end] = self._k[indices, :, :end]
+            v[:, :, :end] = self._v[indices, :, :end]
+            self._k, self._v = k, v
+            self.keys, self.values = k[:, :, :end], v[:, :, :end]
+
     return PreallocatedLayer
 
 
