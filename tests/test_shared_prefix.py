@@ -374,7 +374,8 @@ def _grpo_batch(seed: int):
     return GRPOBatch(prompt_ids=prompts, completion_ids=completions, advantages=advantages)
 
 
-def _grpo_run(model, batch, *, shared: bool, budget: int, ref=None, **grpo) -> tuple[dict, dict, list]:
+def _grpo_run(model, batch, *, shared: bool, budget: int, ref=None, rollout: dict | None = None,
+              **grpo) -> tuple[dict, dict, list]:
     """The trainer's GRPO update with lr 0 (the weights stay, .grad holds the last update's gradients); returns
     (gradients, metrics, micro-batches)."""
     from fastgrpo.algorithms.grpo import grpo_update
@@ -384,16 +385,18 @@ def _grpo_run(model, batch, *, shared: bool, budget: int, ref=None, **grpo) -> t
     params = [p for p in module.parameters() if p.requires_grad]
     mbs = grpo_update(model, batch, grpo=GRPOConfig(head_backend="torch", max_tokens_per_microbatch=budget,
                                                     shared_prefix="true" if shared else "false", **grpo),
-                      rollout=RolloutConfig(max_completion_length=16), optimizer=torch.optim.SGD(params, lr=0.0),
+                      rollout=RolloutConfig(max_completion_length=16, **(rollout or {})),
+                      optimizer=torch.optim.SGD(params, lr=0.0),
                       max_grad_norm=0.0, metrics=metrics, device="cpu", ref_model=ref)
     grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
     module.zero_grad(set_to_none=True)
     return grads, metrics.reduce(), mbs
 
 
-def _assert_update_matches(model, batch, *, budget: int, ref=None, **grpo) -> list[MicroBatch]:
-    want, want_metrics, _ = _grpo_run(model, batch, shared=False, budget=budget, ref=ref, **grpo)
-    got, got_metrics, mbs = _grpo_run(model, batch, shared=True, budget=budget, ref=ref, **grpo)
+def _assert_update_matches(model, batch, *, budget: int, ref=None, rollout: dict | None = None,
+                           **grpo) -> list[MicroBatch]:
+    want, want_metrics, _ = _grpo_run(model, batch, shared=False, budget=budget, ref=ref, rollout=rollout, **grpo)
+    got, got_metrics, mbs = _grpo_run(model, batch, shared=True, budget=budget, ref=ref, rollout=rollout, **grpo)
     assert any(mb.shares_prefix for mb in mbs)
     assert got.keys() == want.keys() and want
     for name in want:
@@ -437,6 +440,15 @@ def test_a_planted_fault_fails_the_update_comparison(fault, monkeypatch):
     monkeypatch.setattr(step, "pack", faulty)
     with pytest.raises(AssertionError, match="differs"):
         _assert_update_matches(tiny_model("qwen2", "sdpa_varlen"), _grpo_batch(26), budget=200, loss_type="dapo")
+
+
+def test_update_with_sampler_logprobs_shared_equals_unshared():
+    """Truncated importance sampling against the sampler's log-probs (the old log-prob pass and its kept mass)."""
+    batch = _grpo_batch(28)
+    batch.sampler_logprobs = -torch.rand(sum(map(len, batch.completion_ids)),
+                                         generator=torch.Generator().manual_seed(4)) * 6  # [N]
+    _assert_update_matches(tiny_model("qwen2", "sdpa_varlen"), batch, budget=60, loss_type="grpo", num_iterations=2,
+                           rollout=dict(importance_sampling_cap=2.0, top_p=0.9))
 
 
 def test_multi_turn_update_with_environment_tokens_shared_equals_unshared():
