@@ -127,11 +127,10 @@ def test_shared_plan_covers_each_sequence_once_within_budget(sizes, budget, seed
         assert b == sorted(b) and sorted(mb.seq_indices) == b
         # over the budget only where one sequence alone is
         assert mb.num_tokens <= budget or (len(b) == 1 and lengths[b[0]] > budget)
-    for start in range(0, len(lengths), 1):  # a group that fits the budget with its prefix once is in one row
-        members = [i for i in range(len(prompts)) if groups.group_of[i] == groups.group_of[start] >= 0]
-        shared = groups.prefix_lengths[groups.group_of[start]] if members else 0
-        if members and sum(lengths[i] for i in members) - (len(members) - 1) * shared <= budget:
-            assert sum(set(members) <= set(b) for b in bins) == 1
+    for g, shared in enumerate(groups.prefix_lengths):  # a group that fits the budget, prefix once, is in one row
+        members = {i for i, h in enumerate(groups.group_of) if h == g}
+        if sum(lengths[i] for i in members) - (len(members) - 1) * shared <= budget:
+            assert sum(members <= set(b) for b in bins) == 1
 
 
 def test_a_group_over_the_budget_repeats_its_prefix_in_each_part():
