@@ -369,8 +369,9 @@ class GRPOConfig:
     shared_prefix: Literal["auto", "true", "false"] = "auto"
     """The update and the log-prob passes (GRPO, PPO and its critic) forward each prompt once per packed row for all
     the completions of its group there (fastgrpo.models.packing, "Shared prefixes"; the same log-probs and
-    gradients): 'auto' wherever the attention can (sdpa, sdpa_varlen, torch_varlen, varlen_op; not compiled or
-    CUDA-graphed blocks), 'true' (an error where it cannot), 'false'."""
+    gradients): 'auto' wherever the attention can (sdpa, sdpa_varlen, torch_varlen, varlen_op, flash_attention_2;
+    not eager or flex_attention, compiled or CUDA-graphed blocks, sliding-window models), 'true' (an error where it
+    cannot), 'false'."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """'token' (GRPO: one ratio per token) or 'sequence' (GSPO: exp(mean over the sequence of logp - old), shared by
     its tokens, clipped at sequence_epsilon_low / sequence_epsilon_high)."""
