@@ -155,3 +155,18 @@ def test_both_engines_log_importance_ratios_of_one_at_top_p(tmp_path, engine):
                        "rollout.vllm.enforce_eager=true"]) == 0
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert abs(record["is/ratio_mean"] - 1) < 0.02 and record["is/clipped_frac"] == 0, record
+
+
+def test_ratio_statistics_leave_out_tokens_that_were_not_sampled():
+    """An environment's tokens carry a placeholder sampler log-prob (0): the is/* statistics read counted tokens."""
+    old = torch.tensor([-1.0, -2.0, -0.5, -3.0])
+    sampler = torch.tensor([-1.1, -2.0, 0.0, -3.5])  # token 2: an environment's token
+    counted = torch.tensor([True, True, False, True])
+    metrics = StepMetrics()
+    weights = importance_weights(old, sampler, cap=1.5, metrics=metrics, counted=counted)
+    got = metrics.reduce()
+    ratios = torch.tensor([0.1, 0.0, 0.5]).exp()  # the counted tokens' old - sampler
+    assert got["is/ratio_mean"] == pytest.approx(ratios.mean().item())
+    assert got["is/ratio_min"] == pytest.approx(1.0) and got["is/ratio_max"] == pytest.approx(ratios.max().item())
+    assert got["is/clipped_frac"] == pytest.approx(1 / 3)  # exp(0.5) > 1.5
+    torch.testing.assert_close(weights, torch.tensor([0.1, 0.0, -0.5, 0.5]).exp().clamp(max=1.5))

@@ -131,7 +131,8 @@ def grpo_update(model: ModelRunner | torch.nn.Module, batch: GRPOBatch, *, grpo:
         old_lp = logprobs(model)  # [N]
     if batch.sampler_logprobs is not None:  # truncated importance sampling: sampler != trainer numerics
         is_w = importance_weights(old_lp, batch.sampler_logprobs, cap=rollout.importance_sampling_cap,
-                                  metrics=metrics, old_kept_log_mass=old_kept_log_mass(model, mbs, n_tok, rollout))
+                                  metrics=metrics, old_kept_log_mass=old_kept_log_mass(model, mbs, n_tok, rollout),
+                                  counted=weights != 0)
         if grpo.num_iterations == 1:
             old_lp = None  # mu = 1: old = logp.detach(), exactly as without the correction
     inputs = TokenInputs.build(weights, adv, old_logprobs=old_lp, ref_logprobs=ref_lp, policy_factors=(kept, is_w),

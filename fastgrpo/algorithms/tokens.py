@@ -63,7 +63,8 @@ def loss_type_weights(loss_type: str, lengths: list[int], plan: StepPlan, *, max
 
 
 def importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, *, cap: float,
-                       metrics: StepMetrics, old_kept_log_mass: torch.Tensor | None = None) -> torch.Tensor:
+                       metrics: StepMetrics, old_kept_log_mass: torch.Tensor | None = None,
+                       counted: torch.Tensor | None = None) -> torch.Tensor:
     """Truncated importance weights [N] of the trainer's log-probs against the sampler's (the rollout engine's
     kernels, or vLLM's own weights, differ from the trainer's).
 
@@ -71,17 +72,23 @@ def importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tenso
     ``old_kept_log_mass`` [N] (:func:`fastgrpo.algorithms.kept_mass.packed_kept_log_mass`) the trainer's are
     renormalised over its own kept set the same way, so truncation alone leaves the ratio at 1. Logs the weights'
     mean ``is/weight_mean``, and the raw ratio's ``is/ratio_mean``, ``is/ratio_min``, ``is/ratio_max`` and the
-    fraction of tokens the cap clips, ``is/clipped_frac``."""
+    fraction of tokens the cap clips, ``is/clipped_frac``; the ratio's over the ``counted`` [N] bool tokens only
+    when given (an environment's tokens were not sampled: their sampler log-prob is a placeholder 0)."""
     old = old_logprobs if old_kept_log_mass is None else old_logprobs - old_kept_log_mass.to(old_logprobs.device)
     sampler = sampler_logprobs.to(old_logprobs.device)
     is_w = truncated_importance_weights(old, sampler, cap)  # [N]
     ratio = torch.exp(old.detach().float() - sampler.float())  # [N] before the cap
     metrics.add("is/weight_mean", is_w.mean())
-    metrics.moments(ratio, "is/ratio_mean")
-    metrics.moments((ratio > cap).float(), "is/clipped_frac")
+    nan = float("nan")
+    left_out = None if counted is None else ~counted.to(ratio.device)  # [N]
+    # moments skip NaN entries; the extremes skip what cannot be one (a masked fill, not boolean indexing)
+    metrics.moments(ratio if left_out is None else ratio.masked_fill(left_out, nan), "is/ratio_mean")
+    clipped = (ratio > cap).float()  # [N]
+    metrics.moments(clipped if left_out is None else clipped.masked_fill(left_out, nan), "is/clipped_frac")
     if ratio.numel():
-        metrics.min("is/ratio_min", ratio.min())
-        metrics.max("is/ratio_max", ratio.max())
+        inf = float("inf")
+        metrics.min("is/ratio_min", (ratio if left_out is None else ratio.masked_fill(left_out, inf)).min())
+        metrics.max("is/ratio_max", (ratio if left_out is None else ratio.masked_fill(left_out, -inf)).max())
     return is_w
 
 
