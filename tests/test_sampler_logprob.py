@@ -125,7 +125,7 @@ def test_a_run_whose_logits_turn_non_finite_stops_with_one_line(tmp_path, capsys
     monkeypatch.setattr(HFEngine, "_forward_last",
                         lambda self, *a: (lambda lg, cache: (torch.full_like(lg, float("nan")), cache))(
                             *forward(self, *a)))
-    assert train.main([*TOY, f"output_dir={tmp_path}", "name=run"]) != 0
+    assert train.main([*TOY, f"output_dir={tmp_path}", "name=run"]) == 1
     _one_line_error(capsys.readouterr().err, "step 1: rollout: the policy's logits were not finite at decode step 0 "
                     "of sequence 0 (prompt 0, sample 0): NaN")
 
