@@ -108,6 +108,44 @@ def test_each_predicting_position_sees_exactly_its_unshared_sequence():
     assert mb.num_real_tokens < mb.num_sequence_tokens == sum(lengths)
 
 
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(1, 5), min_size=1, max_size=4), budget=st.integers(12, 80),
+       padded=st.booleans(), seed=st.integers(0, 1000))
+def test_every_shared_plan_shows_each_prediction_its_unshared_context(sizes, budget, padded, seed):
+    """Layout, over random groups (rewritten prompts among them), budgets and token buckets: each predicting
+    position sees its sequence's tokens so far and sits at its unshared position; the keys of each segment are what
+    its last token sees."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, completions = [], []
+    for n in sizes:
+        p = torch.randint(0, VOCAB, (int(torch.randint(1, 15, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n):
+            rewrite = bool(torch.rand(1, generator=g) < 0.2) and len(p) > 1  # an environment's rewrite: own key
+            prompts.append(p[:-1] + [(p[-1] + 1) % VOCAB] if rewrite else list(p))
+            completions.append(torch.randint(0, VOCAB, (int(torch.randint(1, 8, (1,), generator=g)),),
+                                             generator=g).tolist())
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    groups = prefix_groups(prompts, min_saved_tokens=1)
+    bins = plan_shared_microbatches(lengths, groups, budget)
+    kw = dict(buckets=[32, 64, 128], max_seqlen=32) if padded else {}
+    flat = [(i, t) for i, c in enumerate(completions) for t in range(len(c))]
+    seen = []
+    for mb in pack(prompts, completions, bins, "cpu", groups=groups, **kw):
+        mask = block_causal_mask(mb)[0, 0]  # [T, T]
+        for h, f in zip(mb.hidden_index.tolist(), mb.flat_index.tolist()):
+            i, t = flat[f]
+            assert mb.input_ids[0, mask[h]].tolist() == (prompts[i] + completions[i])[:len(prompts[i]) + t]
+            assert mb.position_ids[0, h] == len(prompts[i]) + t - 1
+            seen.append(f)
+        if mb.shares_prefix:
+            ends = torch.tensor(mb.segment_lengths).cumsum(0).tolist()
+            keys = mb.cu_seqlens_k.tolist()
+            for k, end in enumerate(ends):
+                if mb.segment_lengths[k]:
+                    assert torch.equal(mb.kv_index[keys[k]:keys[k + 1]], mask[end - 1].nonzero()[:, 0])
+    assert sorted(seen) == list(range(len(flat)))
+
+
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=5), budget=st.integers(8, 90),
        seed=st.integers(0, 1000))
