@@ -16,6 +16,9 @@ bytes of the compute dtype: ``16 * hidden + 6 * intermediate`` elements (norm in
 attention output, the residual stream kept in float32 under autocast, and gate/up/activation/down inputs of the MLP);
 with activation checkpointing a layer keeps only its float32 input, plus one layer's full set during its recompute.
 It is about 1.3x what the H100 measured for Qwen2.5-0.5B under bf16 autocast (1.6 MB per token).
+
+The budget counts the tokens a row forwards: with shared prefixes (``grpo.shared_prefix``) a group's prompt once,
+so the same budget holds more sequences, and their activations are still those of the forwarded tokens.
 """
 
 from __future__ import annotations
