@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -269,9 +270,11 @@ def build_model_folder(model: str, dest: Path, *, seed: int) -> Path:
 
     tiny = build_tiny(seed=seed)
     src = tiny if model in ("tiny", *SHAPES) else model_source(model)
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.index.json", "config.json"))
+    # a folder of this build's own: two processes building the same model (bench_trl and count_ops on one cache)
+    # must not write into each other's files
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{dest.name}.", suffix=".tmp", dir=dest.parent))
+    shutil.copytree(src, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.index.json", "config.json"))
     if model in SHAPES:
         base = json.loads((tiny / "config.json").read_text())
         ids = {k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -288,8 +291,16 @@ def build_model_folder(model: str, dest: Path, *, seed: int) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(f"{model} (seed {seed}): {e}; nothing was cached at {dest}") from None
     (tmp / _CHECKED).write_text(json.dumps(report) + "\n")
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
+    if (dest / _CHECKED).is_file():  # another process finished the same build first: keep its folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+    shutil.rmtree(dest, ignore_errors=True)  # an unchecked folder of an earlier build
+    try:
+        tmp.rename(dest)
+    except OSError:  # another build renamed its folder in between
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (dest / _CHECKED).is_file():
+            raise
     return dest
 
 

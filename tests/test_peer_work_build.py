@@ -52,4 +52,16 @@ def test_a_build_that_fails_the_check_is_refused_and_not_cached(small_shape, tmp
         peer_work.build_model_folder(small_shape, dest, seed=0)
     message = str(err.value)
     assert "\n" not in message and needle in message and "small (seed 0)" in message and str(dest) in message
-    assert not dest.exists() and not dest.with_name("model.tmp").exists()
+    assert not dest.exists() and not list(tmp_path.iterdir())  # no folder, no build left behind
+
+
+def test_two_builds_of_the_same_folder_at_once_leave_one_checked_model(small_shape, tmp_path):
+    """bench_trl and count_ops on one cache may build the same model at the same time: each builds in a folder of
+    its own, the first to finish is kept, and the other returns it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dest = tmp_path / "model"
+    with ThreadPoolExecutor(2) as pool:
+        built = list(pool.map(lambda _: peer_work.build_model_folder(small_shape, dest, seed=1), range(2)))
+    assert built == [dest, dest] and (dest / "peer_work_checked.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no build folder left behind
