@@ -63,6 +63,9 @@ WORKS = {
     # A real pretrained model: SmolLM2-135M-Instruct, full fine-tuning in float32 like the works above;
     # its real tokenizer and chat template render the same Countdown prompts. Two measured steps of 2 x 8 x 32.
     "smollm2": Work(model="smollm2-135m-instruct", prompts_per_step=2, max_completion_length=32),
+    # A real Qwen2 model: Qwen2.5-Coder-0.5B-Instruct (the qwen2 extra), its 151,936-token vocabulary where TRL
+    # builds [tokens x V] logits; one prompt and one measured step, as the 0.5B shape above.
+    "qwen0.5b-real": Work(model="qwen2.5-coder-0.5b-instruct", prompts_per_step=1, max_completion_length=32, steps=1),
 }
 
 SHARED = dict(temperature=1.0, top_p=1.0, beta=0.0, loss_type="dr_grpo", scale_rewards="group", epsilon=0.2,

@@ -51,7 +51,7 @@ def _run(compile: bool):
     losses, graphs, buckets, grads = [], [], [], []
     for batch in STEPS:
         metrics = StepMetrics()
-        mbs = grpo_update(trained.model, batch, grpo=GRPOConfig(max_tokens_per_microbatch=BUDGET, head_backend="torch"),
+        mbs = grpo_update(trained.runner, batch, grpo=GRPOConfig(max_tokens_per_microbatch=BUDGET, head_backend="torch"),
                           rollout=RolloutConfig(max_completion_length=40), optimizer=trained.optimizer,
                           scheduler=trained.scheduler, max_grad_norm=1.0, metrics=metrics, device="cpu")
         losses.append(metrics.reduce()["loss"])

@@ -56,7 +56,7 @@ def trainer_cfg(path, tmp_path):
 def test_trainer_refuses_a_softcapped_gemma2_at_load(tmp_path, softcap, monkeypatch):
     path = tiny_gemma2(tmp_path / "gemma2", softcap)
     # The refusal comes at load, before any rollout or update.
-    monkeypatch.setattr("fastgrpo.trainers.grpo.parallelize_model",
+    monkeypatch.setattr("fastgrpo.update.bundle.prepare_model",
                         lambda *a, **k: pytest.fail("the guard must run before the model is parallelized"))
     with pytest.raises(NotImplementedError, match=rf"final_logit_softcapping={softcap}"):
         Trainer(trainer_cfg(path, tmp_path))

@@ -90,11 +90,13 @@ class ModelRunner:
         with self._block_forwards():
             if not _is_fsdp(self.module):
                 return self._run(mb, head)
-            # the root unit's hooks, as register_fsdp_forward_method runs them around a method of the module
+            # The root unit's hooks, as register_fsdp_forward_method runs them around a method of the module, with
+            # no arguments: the pre-forward hook would rebuild the micro-batch and the head (it moves and casts the
+            # tensors of any dataclass it is given), and the head finds its per-micro-batch inputs by identity.
             state = self.module._get_fsdp_state()
-            args, kwargs = state._pre_forward(self.module, (mb, head), {})
-            out = self._run(*args, **kwargs)
-            return state._post_forward(self.module, args, out)
+            state._pre_forward(self.module, (), {})
+            out = self._run(mb, head)
+            return state._post_forward(self.module, (), out)
 
     def _run(self, mb: MicroBatch, head: Callable) -> Any:
         return packed_head_forward(self.module, mb, head, autocast_dtype=self.autocast_dtype,
