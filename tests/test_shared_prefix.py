@@ -369,15 +369,20 @@ def test_backends_that_cannot_attend_a_shared_prefix_refuse_it(attn):
         use_shared_prefix("true", impl=attn)
 
 
-def test_shared_prefix_true_with_an_attention_that_cannot_is_a_config_error():
-    from fastgrpo.config import ConfigError, load_config
+def test_shared_prefix_true_with_an_attention_that_cannot_is_one_line_before_the_model_loads(tmp_path, capsys,
+                                                                                              monkeypatch):
+    from fastgrpo import train
+    from fastgrpo.config import load_config
+    from fastgrpo.trainers import loop
 
-    base = ["device=cpu", "model.name_or_path=tiny"]
-    with pytest.raises(ConfigError, match=r"grpo.shared_prefix=true, but model.attn_implementation=eager: .*auto or "
-                                          r"false"):
-        load_config(None, [*base, "model.attn_implementation=eager", "grpo.shared_prefix=true"])
-    with pytest.raises(ConfigError, match=r"grpo.shared_prefix=true, but .*parallel.compile"):
-        load_config(None, [*base, "parallel.compile=true", "grpo.shared_prefix=true"])
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("the check must come before the load"))
+    base = ["data.source=toy", "rewards.funcs=[toy_digit]", "device=cpu", "model.name_or_path=tiny", "max_steps=1",
+            f"output_dir={tmp_path}", "name=run"]
+    for extra, needle in ((["model.attn_implementation=eager"], "model.attn_implementation=eager: "),
+                          (["parallel.compile=true"], "parallel.compile")):
+        assert train.main([*base, *extra, "grpo.shared_prefix=true"]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and "grpo.shared_prefix=true, but" in err[0] and needle in err[0], err
     assert load_config(None, [*base, "model.attn_implementation=eager"]).grpo.shared_prefix == "auto"
     assert load_config(None, [*base, "grpo.shared_prefix=true"]).grpo.shared_prefix == "true"
 

@@ -147,31 +147,9 @@ class TrainConfig(RunConfig):
         check(algorithm.multi_turn or not self.rollout.env.enabled, "rollout.env",
               f"multi-turn rollouts do not train with algorithm {self.algorithm} (use grpo)")
         algorithm.check_config(self)  # the settings the algorithm does not serve, each naming its field
-        check_shared_prefix(self)
         if self.rollout.asynchronous:
             check_async(self, algorithm)
         return self
-
-
-def check_shared_prefix(cfg: TrainConfig) -> None:
-    """grpo.shared_prefix=true with an attention that cannot express a shared prefix (or compiled / graphed blocks):
-    one line naming both keys, before the model loads. (A model's sliding-window layers are found at its load.)"""
-    if cfg.grpo.shared_prefix != "true":
-        return
-    import torch  # deferred: the config modules load without torch for --help-config
-
-    from fastgrpo.models.attention import choose_attn_implementation, use_shared_prefix
-
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        impl = choose_attn_implementation(cfg.model.attn_implementation, device)
-    except (ImportError, ValueError):  # the model loader names what is missing
-        return
-    try:
-        use_shared_prefix("true", impl=impl, static_shapes=cfg.parallel.compile or cfg.parallel.cuda_graphs,
-                          requested=cfg.model.attn_implementation)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def check_async(cfg: TrainConfig, algorithm) -> None:

@@ -24,6 +24,7 @@ import torch
 from fastgrpo.config import TrainConfig, not_a_file, run_defining_changes, run_kind_of
 from fastgrpo.distributed import checkpoint as ckpt
 from fastgrpo.distributed.parallelize import check_parallel
+from fastgrpo.models.attention import choose_attn_implementation, use_shared_prefix
 from fastgrpo.runtime.errors import DiskFullError, is_disk_full
 from fastgrpo.runtime.files import safetensors_problem, write_atomic
 
@@ -32,8 +33,10 @@ LOGS = ("metrics.jsonl", "completions.jsonl")
 
 
 def check_launch(cfg: TrainConfig, world_size: int, device: torch.device | str) -> None:
-    """The parallel settings fit the launch (``world_size`` processes on ``device``)."""
+    """The parallel settings fit the launch (``world_size`` processes on ``device``), and the attention they run
+    can share a prompt prefix where ``grpo.shared_prefix`` is true."""
     check_parallel(cfg.parallel, device, world_size)  # what parallelize_model would refuse after the load
+    check_shared_prefix(cfg, device)
     if not cfg.parallel.fsdp and world_size > 1:
         # Without FSDP nothing would synchronise the ranks' gradients: each would train its own copy of the model
         # and rank 0's would be exported. FSDP2 is the one data-parallel path (it also shards and reshards the
@@ -41,6 +44,19 @@ def check_launch(cfg: TrainConfig, world_size: int, device: torch.device | str) 
         raise ValueError(f"parallel.fsdp=false with {world_size} processes would train {world_size} unsynchronised "
                          "copies of the model; set parallel.fsdp=true (FSDP2 synchronises gradients) or run one "
                          "process")
+
+
+def check_shared_prefix(cfg: TrainConfig, device: torch.device | str) -> None:
+    """grpo.shared_prefix=true with an attention that cannot express a shared prefix (or compiled / graphed blocks):
+    ValueError naming both keys, before the model loads. (A model's sliding-window layers are found at its load.)"""
+    if cfg.grpo.shared_prefix != "true":
+        return
+    try:
+        impl = choose_attn_implementation(cfg.model.attn_implementation, torch.device(device).type)
+    except (ImportError, ValueError):  # the model loader names what is missing
+        return
+    use_shared_prefix("true", impl=impl, static_shapes=cfg.parallel.compile or cfg.parallel.cuda_graphs,
+                      requested=cfg.model.attn_implementation)
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
