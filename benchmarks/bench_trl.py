@@ -50,8 +50,8 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1]))  # run as a script from a checkout
 
 from benchmarks.peer_work import (  # noqa: E402
-    SHAPES, WORKS, Work, build_model_folder, check_no_eos, fastgrpo_config, make_spec, spread_reward, trl_config,
-    write_prompts,
+    SHAPES, WORKS, Work, build_model_folder, check_no_eos, fastgrpo_config, few_shot_system_prompt, make_spec,
+    spread_reward, trl_config, write_prompts,
 )
 from benchmarks.profile_phases import phase_seconds, phase_table  # noqa: E402
 
@@ -85,6 +85,10 @@ def run_fastgrpo_child(spec: dict) -> None:
         rc = train_main(["--config", str(cfg)])
     sys.exit(rc)
 
+
+UNSHARED = "fastgrpo-unshared"
+"""The side that runs fastgrpo with ``grpo.shared_prefix=false``: every sequence's prompt forwarded on its own, as TRL
+does, so the table shows what sharing a group's prompt is worth beside what the rest of fastgrpo is."""
 
 STEP_TIMES = "step_times.jsonl"
 """fastgrpo child: one {t_begin, step_s, cuda_peak_bytes} line per ``Trainer.train_step`` call (its metrics.jsonl
@@ -237,7 +241,7 @@ def _unprofiled(fn):
     return wrapped
 
 
-CHILDREN = {"fastgrpo": run_fastgrpo_child, "trl": run_trl_child}
+CHILDREN = {"fastgrpo": run_fastgrpo_child, UNSHARED: run_fastgrpo_child, "trl": run_trl_child}
 LINGER_S = 5.0
 """Timed runs: seconds a child may take to exit after its last step is logged (``run_side``'s linger_s)."""
 
@@ -257,7 +261,7 @@ def _vm_hwm(pid: int) -> int | None:
 
 
 def _progress_file(side: str, run_dir: Path) -> Path:
-    return run_dir / ("fastgrpo/metrics.jsonl" if side == "fastgrpo" else "steps.jsonl")
+    return run_dir / ("fastgrpo/metrics.jsonl" if side != "trl" else "steps.jsonl")
 
 
 def _lines(path: Path) -> int:
@@ -303,7 +307,7 @@ def run_side(side: str, spec: dict, timeout_s: float, linger_s: float | None = N
         f"rc={proc.returncode}, {len(steps)}/{total} steps; see {run_dir / 'child.log'}: "
         + " | ".join((run_dir / "child.log").read_text(errors="replace").strip().splitlines()[-3:])[-300:])
     cuda_peak, attn = steps[-1].get("cuda_peak_bytes") if steps else None, spec["shared"]["attn"]
-    if side == "fastgrpo" and (run_dir / "child.json").is_file():
+    if side != "trl" and (run_dir / "child.json").is_file():
         attn = json.loads((run_dir / "child.json").read_text())["attn_implementation"]
     return {"side": side, "steps": steps, "peak_rss_bytes": peak, "cuda_peak_bytes": cuda_peak, "wall_s": wall,
             "launch_time": launch_time, "attn_implementation": attn, "error": error}
@@ -366,12 +370,14 @@ def median_record(steps: list[dict], warmup: int) -> dict:
 
 
 def summarize(name: str, work: dict, runs: list[dict]) -> dict:
-    """runs: alternating records of both sides, each tagged with its repeat index. Rows: per metric, each side's
-    per-run medians and the fastgrpo / TRL ratio of every finished pair; phases: per side, each finished run's
-    start-up, first step and warm-up (:func:`phases`), kept out of the rows."""
+    """runs: alternating records of the sides, each tagged with its repeat index. Rows: per metric, each side's
+    per-run medians and the fastgrpo / TRL ratio of every finished pair (with the unshared side: its ratio to TRL,
+    ``ratios_unshared``, and sharing's own, fastgrpo / unshared, ``ratios_sharing``); phases: per side, each
+    finished run's start-up, first step and warm-up (:func:`phases`), kept out of the rows."""
     tokens = work["sequences"] * (work["prompt_len"] + work["max_completion_length"])
-    per_side: dict[str, dict[int, dict]] = {"fastgrpo": {}, "trl": {}}
-    phase: dict[str, list[dict]] = {"fastgrpo": [], "trl": []}
+    names = ["fastgrpo", *([UNSHARED] if any(r["side"] == UNSHARED for r in runs) else []), "trl"]
+    per_side: dict[str, dict[int, dict]] = {n: {} for n in names}
+    phase: dict[str, list[dict]] = {n: [] for n in names}
     equal, notes, skipped = True, [], set()
     for run in runs:
         if run["error"].startswith("skipped"):  # not started: one note per pair
@@ -393,13 +399,16 @@ def summarize(name: str, work: dict, runs: list[dict]) -> dict:
         med = median_record(run["steps"], work["warmup"])
         per_side[run["side"]][run["repeat"]] = {m: fn(med, run, tokens) for m, _, fn in METRICS}
         phase[run["side"]].append({"repeat": run["repeat"], **phases(run, work["warmup"])})
+    def ratios(a: str, b: str, m: str) -> list[float]:
+        return [per_side[a][k][m] / per_side[b][k][m] for k in sorted(set(per_side[a]) & set(per_side[b]))]
+
     rows = []
-    pairs = sorted(set(per_side["fastgrpo"]) & set(per_side["trl"]))
     for m, unit, _ in METRICS:
-        a = [per_side["fastgrpo"][k][m] for k in sorted(per_side["fastgrpo"])]
-        b = [per_side["trl"][k][m] for k in sorted(per_side["trl"])]
-        ratios = [per_side["fastgrpo"][k][m] / per_side["trl"][k][m] for k in pairs]
-        rows.append({"metric": m, "unit": unit, "fastgrpo": a, "trl": b, "ratios": ratios})
+        row = {"metric": m, "unit": unit, **{n: [per_side[n][k][m] for k in sorted(per_side[n])] for n in names},
+               "ratios": ratios("fastgrpo", "trl", m)}
+        if UNSHARED in per_side:
+            row |= {"ratios_unshared": ratios(UNSHARED, "trl", m), "ratios_sharing": ratios("fastgrpo", UNSHARED, m)}
+        rows.append(row)
     return {"work": name, **work, "tokens_per_step": tokens, "equal_tokens": equal, "notes": notes, "rows": rows,
             "phases": phase}
 
@@ -418,13 +427,19 @@ def markdown(summary: dict) -> str:
             f"tokens ({s['tokens_per_step']:,} tokens per step), {s['steps']} timed steps after "
             f"{s['warmup']} warm-up, {len(s['rows'][0]['ratios'])} alternated pairs; equal tokens on both sides: "
             f"{'yes' if s['equal_tokens'] else 'NO'}\n\n")
-    lines = ["| per timed step | fastgrpo, median (range) over runs | TRL, median (range) over runs | "
-             "fastgrpo / TRL per pair | median ratio (range) |", "|---|---|---|---|---|"]
+    unshared = UNSHARED in s["rows"][0]
+    lines = ["| per timed step | fastgrpo, median (range) over runs | "
+             + ("fastgrpo, prompts unshared | " if unshared else "") + "TRL, median (range) over runs | "
+             "fastgrpo / TRL per pair | median ratio (range) |"
+             + (" unshared / TRL | shared / unshared |" if unshared else ""),
+             "|---|---|---|---|---|" + ("---|---|---|" if unshared else "")]
     for r in s["rows"]:
         digits = 0 if "tokens/s" in r["metric"] else (2 if r["unit"] == "GB" else 3)
         unit = f" ({r['unit']})" if r["unit"] else ""
-        lines.append(f"| {r['metric']}{unit} | {_fmt(r['fastgrpo'], digits)} | {_fmt(r['trl'], digits)} | "
-                     f"{', '.join(f'{x:.2f}' for x in r['ratios']) or 'n/a'} | {_fmt(r['ratios'], 2)} |")
+        lines.append(f"| {r['metric']}{unit} | {_fmt(r['fastgrpo'], digits)} | "
+                     + (f"{_fmt(r[UNSHARED], digits)} | " if unshared else "") + f"{_fmt(r['trl'], digits)} | "
+                     f"{', '.join(f'{x:.2f}' for x in r['ratios']) or 'n/a'} | {_fmt(r['ratios'], 2)} |"
+                     + (f" {_fmt(r['ratios_unshared'], 2)} | {_fmt(r['ratios_sharing'], 2)} |" if unshared else ""))
     lines += ["", "| outside the timed steps (s) | start-up: launch -> first step | first step (compile, lazy init) | "
               "other warm-up steps | timed steps per run, step s median (range) |", "|---|---|---|---|---|"]
     for side, runs in s.get("phases", {}).items():
@@ -480,6 +495,8 @@ def parse_args(argv):
     ap.add_argument("--fastgrpo-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a dotted override of fastgrpo's config, repeatable (e.g. parallel.cuda_graphs=true): its "
                          "full runs and its --update-only side (parallel.* and grpo.max_tokens_per_microbatch there)")
+    ap.add_argument("--no-unshared", action="store_true",
+                    help=f"skip the third side, {UNSHARED} (fastgrpo with grpo.shared_prefix=false)")
     ap.add_argument("--profile", action="store_true",
                     help="instead of timing: one run per side under torch.profiler, the last step's update only "
                          "(fastgrpo: policy_update; TRL: its micro-batch training steps, generation excluded); "
@@ -507,12 +524,21 @@ def prepare(work: Work, args, root: Path, device: str) -> dict:
     """Model folder and prompt file (built once, cached under ROOT), then the spec both children read."""
     key = work.model if work.model in ("tiny", *SHAPES) else Path(work.model).name
     model_dir = build_model_folder(work.model, root / "models" / f"{key}-noeos-seed{args.seed}", seed=args.seed)
-    prompts_file = root / "prompts" / f"{key}.jsonl"
+    system = ""
+    if work.system_prompt_tokens:  # a long few-shot system prompt, the same before every question
+        from transformers import AutoTokenizer
+
+        system = few_shot_system_prompt(AutoTokenizer.from_pretrained(model_dir), work.system_prompt_tokens,
+                                        seed=args.seed)
+    suffix = f"-system{work.system_prompt_tokens}" if system else ""
+    prompts_file = root / "prompts" / f"{key}{suffix}.jsonl"
     prompts_file.parent.mkdir(parents=True, exist_ok=True)
-    P = write_prompts(model_dir, prompts_file, count=64, seed=args.seed)
+    P = write_prompts(model_dir, prompts_file, count=64, seed=args.seed, system_prompt=system)
     spec = make_spec(work, model_dir=model_dir, prompts_file=prompts_file, prompt_len=P, device=device,
                      engine=args.engine, seed=args.seed, trl_micro_batch=args.trl_micro_batch, steps=args.steps,
                      warmup=args.warmup)
+    if system:  # fastgrpo renders the rows' questions after the same system prompt TRL reads in the conversation
+        spec["shared"] = {**spec["shared"], "system_prompt": system}
     if getattr(args, "fastgrpo_attn", None):
         spec["fastgrpo_attn"] = args.fastgrpo_attn
     if getattr(args, "fastgrpo_set", None):
@@ -520,14 +546,16 @@ def prepare(work: Work, args, root: Path, device: str) -> dict:
     return spec | {"max_eos_probability": check_no_eos(model_dir, prompts_file)}
 
 
-def alternated_pairs(names: list[str], repeats: int, budget_s: float | None, run_pair, clock=time.perf_counter):
-    """Round r runs pair r of each work in turn, sides in the order (fastgrpo, trl) for even r and (trl, fastgrpo)
-    for odd r; ``run_pair(name, repeat, sides)`` returns that pair's two run records. A pair is started only while
-    the seconds since the first call, plus the wall time of the work's previous pair, stay within ``budget_s``;
-    one not started is recorded as two runs with error "skipped: time budget". Returns {name: [runs]}."""
-    start, runs, last_pair_s = clock(), {n: [] for n in names}, {}
+def alternated_pairs(names: list[str], repeats: int, budget_s: float | None, run_pair, clock=time.perf_counter,
+                     sides: tuple[str, ...] = ("fastgrpo", "trl")):
+    """Round r runs pair r of each work in turn (a pair: one run of each of ``sides``), in the order of ``sides`` for
+    even r and reversed for odd r; ``run_pair(name, repeat, sides)`` returns that pair's run records. A pair is
+    started only while the seconds since the first call, plus the wall time of the work's previous pair, stay within
+    ``budget_s``; one not started is recorded as one run per side with error "skipped: time budget". Returns
+    {name: [runs]}."""
+    start, runs, last_pair_s, order = clock(), {n: [] for n in names}, {}, tuple(sides)
     for rep in range(repeats):
-        sides = ("fastgrpo", "trl") if rep % 2 == 0 else ("trl", "fastgrpo")
+        sides = order if rep % 2 == 0 else order[::-1]
         for name in names:
             t0 = clock()
             if budget_s is not None and t0 - start + last_pair_s.get(name, 0.0) > budget_s:
@@ -587,7 +615,9 @@ def main(argv: list[str] | None = None) -> int:
     def run_pair(name: str, rep: int, sides: tuple[str, str]) -> list[dict]:
         spec, pair = specs[name], []
         for side in sides:
-            run = run_side(side, {**spec, "run_dir": str(root / "runs" / name / side)}, args.run_timeout_s,
+            side_spec = spec if side != UNSHARED else {
+                **spec, "fastgrpo_set": [*spec.get("fastgrpo_set", []), "grpo.shared_prefix=false"]}
+            run = run_side(side, {**side_spec, "run_dir": str(root / "runs" / name / side)}, args.run_timeout_s,
                            linger_s=LINGER_S) | {"repeat": rep}
             pair.append(run)
             med = median_record(run["steps"], spec["warmup"]) if not run["error"] else {}
@@ -603,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         return pair
 
     budget_left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - started)
-    runs = alternated_pairs(list(specs), args.repeats, budget_left, run_pair)
+    sides = ("fastgrpo", "trl") if args.no_unshared else ("fastgrpo", UNSHARED, "trl")
+    runs = alternated_pairs(list(specs), args.repeats, budget_left, run_pair, sides=sides)
     summaries = [summarize(name, specs[name], r) | {"runs": r} for name, r in runs.items()]
     write_results(args, argv, configs, summaries)
     print("\n".join(markdown(s) for s in summaries))

@@ -50,6 +50,9 @@ class Work:
     """Steps run first and discarded."""
     steps: int = 2
     """Measured steps per run (median per run)."""
+    system_prompt_tokens: int = 0
+    """A few-shot system prompt of about this many tokens, the same for every prompt (0: none): the long shared
+    prefix of a work where a group's prompt dominates its tokens."""
 
 
 WORKS = {
@@ -66,7 +69,35 @@ WORKS = {
     # A real Qwen2 model: Qwen2.5-Coder-0.5B-Instruct (the qwen2 extra), its 151,936-token vocabulary where TRL
     # builds [tokens x V] logits; one prompt and one measured step, as the 0.5B shape above.
     "qwen0.5b-real": Work(model="qwen2.5-coder-0.5b-instruct", prompts_per_step=1, max_completion_length=32, steps=1),
+    # A long shared prompt: a ~512-token few-shot system prompt before each Countdown question, G 8, 64 new tokens;
+    # ~90% of an unshared update's tokens are the prompt's repeats.
+    "long-prompt": Work(model="tiny", prompts_per_step=2, max_completion_length=64, system_prompt_tokens=512),
+    "smollm2-long-prompt": Work(model="smollm2-135m-instruct", prompts_per_step=2, max_completion_length=64,
+                                system_prompt_tokens=512),
 }
+
+
+def few_shot_system_prompt(tok, tokens: int, *, seed: int = 0) -> str:
+    """An instruction and solved Countdown examples, as many as keep the rendered text at or under ``tokens``
+    tokens of ``tok`` (deterministic in ``seed``); '' for 0."""
+    if tokens <= 0:
+        return ""
+    from fastgrpo.data import countdown_splits
+    from fastgrpo.data.countdown import solve
+
+    text = ("You solve Countdown puzzles: combine the given numbers with +, -, * and / (each number once) to reach "
+            "the target. Think briefly, then give the expression in <answer></answer>. Solved examples:")
+    rows, _ = countdown_splits(num_train=256, num_eval=0, seed=seed + 1, min_numbers=3, max_numbers=4, max_value=99)
+    for row in rows:
+        expr = solve(row["nums"], row["target"])
+        if expr is None:
+            continue
+        longer = f"{text}\nNumbers {row['nums']}, target {row['target']}: <answer>{expr}</answer>"
+        if len(tok(longer, add_special_tokens=False)["input_ids"]) > tokens:
+            break
+        text = longer
+    return text
+
 
 SHARED = dict(temperature=1.0, top_p=1.0, beta=0.0, loss_type="dr_grpo", scale_rewards="group", epsilon=0.2,
               lr=1e-6, adam_betas=(0.9, 0.99), weight_decay=0.0, max_grad_norm=1.0, attn="sdpa",
@@ -355,15 +386,16 @@ def model_source(model: str) -> Path:
     return Path(resolve_model_path(ModelConfig(name_or_path=model)))
 
 
-def _conversation(row: dict) -> list[dict]:
+def _conversation(row: dict, system_prompt: str = "") -> list[dict]:
     """The chat messages of a Countdown row: fastgrpo's user message (and system prompt, when set)."""
     from fastgrpo.data.templates import countdown_user_message
 
-    system = [{"role": "system", "content": SHARED["system_prompt"]}] if SHARED["system_prompt"] else []
+    system_prompt = system_prompt or SHARED["system_prompt"]
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return system + [{"role": "user", "content": countdown_user_message(row)}]
 
 
-def write_prompts(model_dir: Path, path: Path, *, count: int, seed: int) -> int:
+def write_prompts(model_dir: Path, path: Path, *, count: int, seed: int, system_prompt: str = "") -> int:
     """Countdown rows whose rendered prompt (the chat template, assistant turn opened) has the most common token
     length; writes jsonl rows {prompt, nums, target} and returns that length P.
 
@@ -372,12 +404,13 @@ def write_prompts(model_dir: Path, path: Path, *, count: int, seed: int) -> int:
     messages from the row, so both sides see identical token ids (checked per step by the bench)."""
     from transformers import AutoTokenizer
 
-    keep, P = _work_prompts(AutoTokenizer.from_pretrained(model_dir), count=count, seed=seed)
+    keep, P = _work_prompts(AutoTokenizer.from_pretrained(model_dir), count=count, seed=seed,
+                            system_prompt=system_prompt)
     path.write_text("".join(json.dumps(row) + "\n" for row in keep))
     return P
 
 
-def _work_prompts(tok, *, count: int, seed: int) -> tuple[list[dict], int]:
+def _work_prompts(tok, *, count: int, seed: int, system_prompt: str = "") -> tuple[list[dict], int]:
     """:func:`write_prompts`' rows and their token length P; the first ``count`` do not depend on ``count``."""
     from collections import Counter
 
@@ -385,7 +418,7 @@ def _work_prompts(tok, *, count: int, seed: int) -> tuple[list[dict], int]:
 
     rows, _ = countdown_splits(num_train=max(count, _PROMPT_POOL) * 8, num_eval=0, seed=seed, min_numbers=3,
                                max_numbers=4, max_value=99)
-    convs = [_conversation(r) for r in rows]
+    convs = [_conversation(r, system_prompt) for r in rows]
     lengths = [len(tok(render_conversation(tok, c))["input_ids"]) for c in convs]
     P = Counter(lengths).most_common(1)[0][0]
     keep = [{"prompt": c, "nums": r["nums"], "target": r["target"]} for c, r, n in zip(convs, rows, lengths) if n == P]

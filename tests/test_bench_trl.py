@@ -317,3 +317,31 @@ def test_the_gpu_trl_update_and_head_script_refuses_a_machine_without_cuda(tmp_p
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "no CUDA device visible" in proc.stderr + proc.stdout
+
+
+def test_the_unshared_side_gets_its_own_column_and_sharings_ratio():
+    from benchmarks.bench_trl import UNSHARED, markdown, summarize
+
+    work = {"sequences": 2, "prompt_len": 3, "max_completion_length": 4, "warmup": 1, "steps": 2, "model": "m",
+            "prompts_per_step": 1, "generations": 2}
+    runs = [_run("fastgrpo", 0, [9.0, 1.0, 1.0]), _run(UNSHARED, 0, [9.0, 2.0, 2.0]), _run("trl", 0, [9.0, 4.0, 4.0])]
+    s = summarize("w", work, runs)
+    step = next(r for r in s["rows"] if r["metric"] == "step")
+    assert step["ratios"] == [0.25] and step["ratios_unshared"] == [0.5] and step["ratios_sharing"] == [0.5]
+    text = markdown(s)
+    assert "prompts unshared" in text and "shared / unshared" in text
+    assert "prompts unshared" not in markdown(summarize("w", work, [runs[0], runs[2]]))
+
+
+def test_the_long_prompt_works_system_prompt_has_about_its_token_count():
+    from transformers import AutoTokenizer
+
+    from benchmarks.peer_work import WORKS, few_shot_system_prompt
+    from fastgrpo.models.tiny import build_tiny
+
+    tok = AutoTokenizer.from_pretrained(build_tiny())
+    n = WORKS["long-prompt"].system_prompt_tokens
+    text = few_shot_system_prompt(tok, n)
+    count = len(tok(text, add_special_tokens=False)["input_ids"])
+    assert 0.8 * n <= count <= n and "<answer>" in text
+    assert few_shot_system_prompt(tok, n) == text and few_shot_system_prompt(tok, 0) == ""
