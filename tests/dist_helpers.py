@@ -143,12 +143,17 @@ def run_scenario(cfg: ParallelConfig, how: str, info: fdist.DistInfo, *, lora: b
     }
 
 
-def main() -> None:
+def start_rank() -> tuple[argparse.Namespace, fdist.DistInfo]:
+    """What every rank script starts with: its --out argument, one thread, the gloo process group."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    info = fdist.init_distributed("cpu")
+    return args, fdist.init_distributed("cpu")
+
+
+def main() -> None:
+    args, info = start_rank()
     results = {name: run_scenario(cfg, how, info) for name, (cfg, how) in SCENARIOS.items()}
     results["lora"] = run_scenario(*LORA_SCENARIO, info, lora=True)
     if fdist.is_main():

@@ -6,7 +6,6 @@ Run as a script once per rank with torchrun's environment set; rank 0 saves the 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dist_helpers import clean_name, problem, split_sequences, tiny_lora, tiny_qwen2  # noqa: E402
+from dist_helpers import clean_name, problem, split_sequences, start_rank, tiny_lora, tiny_qwen2  # noqa: E402
 
 from fastgrpo.distributed import groups as fdist  # noqa: E402
 from fastgrpo.config import GRPOConfig, ParallelConfig, PPOConfig, RolloutConfig  # noqa: E402
@@ -72,11 +71,7 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    info = fdist.init_distributed("cpu")
+    args, info = start_rank()
     prompts, completions, _ = problem()
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     out = {}

@@ -6,7 +6,6 @@ Run as a script once per rank with torchrun's environment set; rank 0 saves the 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dist_helpers import VOCAB, clean_name, tiny_qwen2  # noqa: E402
+from dist_helpers import VOCAB, clean_name, start_rank, tiny_qwen2  # noqa: E402
 
 from fastgrpo.algorithms.grpo import GRPOBatch, grpo_update  # noqa: E402
 from fastgrpo.config import GRPOConfig, ParallelConfig, RolloutConfig  # noqa: E402
@@ -57,11 +56,7 @@ def update(model: torch.nn.Module, seqs: list[int], *, shared: bool) -> dict[str
 def main() -> None:
     from torch.distributed.tensor import DTensor
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    info = fdist.init_distributed("cpu")
+    args, info = start_rank()
     model = parallelize_model(tiny_qwen2(), ParallelConfig(), device="cpu", world_size=info.world_size)
     record = update(model, RANK_SEQUENCES[info.rank], shared=True)
     grads = {clean_name(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()

@@ -31,12 +31,7 @@ VOCAB = 131
 RTOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from test_packing import _one_thread  # noqa: E402,F401 (the autouse fixture: one thread for tiny matmuls)
 
 
 def grouped_batch(seed: int, groups: int = 3, size: int = 4, prompt: tuple[int, int] = (3, 14),

@@ -201,7 +201,7 @@ def test_trainer_update_on_the_cublas_path_equals_the_torch_path(tmp_path, monke
     from fastgrpo.trainers.grpo import Trainer
 
     seen = []
-    for update_mod, fn in ((tokens, "linear_grpo_loss"), (step, "linear_logprobs")):
+    for update_mod, fn in ((tokens, "fused_grpo_loss"), (step, "linear_logprobs")):
         real = getattr(update_mod, fn)
         monkeypatch.setattr(update_mod, fn, lambda *a, _real=real, _fn=fn, **k: (seen.append((_fn, k["backend"])),
                                                                                  _real(*a, **k))[1])
@@ -214,7 +214,7 @@ def test_trainer_update_on_the_cublas_path_equals_the_torch_path(tmp_path, monke
         trainer = Trainer(load_config(None, toy + [f"name={backend}", f"grpo.head_backend={backend}"]))
         record = trainer.run()
         assert record["policy/kl_mean"] == 0.0
-        assert {b for _, b in seen} == {backend} and {f for f, _ in seen} == {"linear_grpo_loss", "linear_logprobs"}
+        assert {b for _, b in seen} == {backend} and {f for f, _ in seen} == {"fused_grpo_loss", "linear_logprobs"}
         seen.clear()
         grads[backend] = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     assert grads["torch"].keys() == grads["cublas"].keys() and grads["torch"]
