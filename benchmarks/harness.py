@@ -256,9 +256,9 @@ def check_run_configs(config: Path | str | None, runs: dict[str, Sequence[str]],
 
 class Children:
     """A benchmark's training processes: each in its own process group (it and the reward workers it starts), sent
-    SIGTERM when the benchmark exits while they run, and killed when they outlive ``grace_s`` after it (a step of a
-    real model on a CPU can take minutes: SIGTERM lets it finish and save). Each child also gets SIGTERM from the
-    kernel if the benchmark dies without a word (SIGKILL)."""
+    SIGTERM when the benchmark exits while they run (SIGINT after Ctrl-C), and killed with their group when they
+    outlive ``grace_s`` after it (a step of a real model on a CPU can take minutes: SIGTERM lets it finish and save).
+    Each child also gets SIGTERM from the kernel if the benchmark dies without a word (SIGKILL)."""
 
     def __init__(self, grace_s: float = 600.0) -> None:
         self.procs: list[subprocess.Popen] = []
@@ -273,12 +273,12 @@ class Children:
         self.procs.append(proc)
         return proc
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the wait short
         try:
             live = [p for p in self.procs if p.poll() is None]
-            for proc in live:
-                proc.send_signal(signal.SIGTERM)
+            for proc in live:  # Ctrl-C (its own session keeps the terminal's SIGINT from the child): stop at once
+                proc.send_signal(signal.SIGINT if exc_type is KeyboardInterrupt else signal.SIGTERM)
             deadline = time.monotonic() + self.grace_s
             for proc in live:
                 try:
