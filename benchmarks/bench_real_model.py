@@ -178,7 +178,8 @@ def _main(argv: list[str] | None) -> int:
                if name not in failed and (out / name / "metrics.jsonl").is_file()}
     if failed:
         print(f"{PROG}: error: {len(failed)} of {len(runs)} runs failed: "
-              + "; ".join(f"{n} (exit {rc}, {out / n}.log: {_last_line(out / f'{n}.log')})" for n, rc in failed.items()),
+              + "; ".join(f"{n} (exit {rc}, {out / f'{n}.log'}: {_last_line(out / f'{n}.log')})"
+                          for n, rc in failed.items()),
               file=sys.stderr)
         if not results:  # nothing to report: an empty table would read as a result
             return 1

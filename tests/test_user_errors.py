@@ -5,7 +5,6 @@ end with it."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -213,7 +212,8 @@ def test_prompts_longer_than_the_vllm_context_are_one_line_before_any_model_load
     monkeypatch.setattr(ENGINES["vllm"], "check_available", lambda: None)
     monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     assert _main(tmp_path, "max_steps=1", "rollout.engine=vllm", "rollout.vllm.max_model_len=6") == 2
-    _one_line_error(capsys.readouterr().err, "row 0", "rollout.vllm.max_model_len=6", "raise rollout.vllm.max_model_len")
+    _one_line_error(capsys.readouterr().err, "row 0", "rollout.vllm.max_model_len=6",
+                    "raise rollout.vllm.max_model_len")
 
 
 def test_a_completion_budget_as_long_as_the_vllm_context_is_a_config_error(tmp_path, capsys):
