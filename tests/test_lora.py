@@ -167,8 +167,8 @@ def test_lora_head_is_frozen_so_the_kernels_form_no_weight_gradient(lora_model, 
     from fastgrpo.algorithms import tokens as update_mod
 
     seen = []
-    real = update_mod.linear_grpo_loss
-    monkeypatch.setattr(update_mod, "linear_grpo_loss",
+    real = update_mod.fused_grpo_loss
+    monkeypatch.setattr(update_mod, "fused_grpo_loss",
                         lambda h, w, *a, **k: (seen.append((h.requires_grad, w.requires_grad)), real(h, w, *a, **k))[1])
     dh.train_step(lora_model, list(range(dh.NUM_SEQS)), budget=25)
     assert seen and all(seen_h and not seen_w for seen_h, seen_w in seen), seen

@@ -298,7 +298,9 @@ def test_trl_drop_in_equals_trl_on_it(smollm2_path, tmp_path):
                           processing_class=AutoTokenizer.from_pretrained(smollm2_path))
     assert trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight
     _apply(trainer, CASES["beta"])
-    _assert_same(trainer, [_inputs(trainer, seed=1)])
+    # float32 rounding alone moves a 30-layer model's gradients by ~1e-4 of their largest entry (measured against
+    # float64: 8.7e-5), and TRL's logits path and the fused head round differently: compare at twice that
+    _assert_same(trainer, [_inputs(trainer, seed=1)], grad_tol=2e-4)
 
 
 def test_lora_grpo_step_and_its_adapter_export_load_in_peft(smollm2_path, smollm2, tmp_path, varied_reward):

@@ -49,7 +49,8 @@ def check_launch(cfg: TrainConfig, world_size: int, device: torch.device | str) 
 def check_shared_prefix(cfg: TrainConfig, device: torch.device | str) -> None:
     """grpo.shared_prefix=true with an attention that cannot express a shared prefix (or compiled / graphed blocks):
     ValueError naming both keys, before the model loads. (A model's sliding-window layers are found at its load.)"""
-    if cfg.grpo.shared_prefix != "true":
+    grpo = getattr(cfg, "grpo", None)  # a GRPO-family run's section (an SFT run has none)
+    if grpo is None or grpo.shared_prefix != "true":
         return
     try:
         impl = choose_attn_implementation(cfg.model.attn_implementation, torch.device(device).type)
