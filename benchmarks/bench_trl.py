@@ -517,7 +517,11 @@ def parse_args(argv):
     up.add_argument("--no-control", action="store_true", help="skip the one-length control batch")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    unknown = [n for n in args.works.split(",") if n and n not in WORKS]
+    if unknown and not args.child:
+        ap.error(f"--works: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(WORKS)}")
+    return args
 
 
 def prepare(work: Work, args, root: Path, device: str) -> dict:

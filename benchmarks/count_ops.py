@@ -343,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    for arg, given, known in (("--works", args.works, COUNT_WORKS), ("--sides", args.sides, CHILDREN)):
+        unknown = [n for n in given.split(",") if n not in known]
+        if unknown and not args.child:
+            ap.error(f"{arg}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
     if args.child:
         result = CHILDREN[args.child](json.loads(Path(args.spec).read_text()), args.setting)
         Path(args.child_out).write_text(json.dumps(result, indent=1))

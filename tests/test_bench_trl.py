@@ -345,3 +345,13 @@ def test_the_long_prompt_works_system_prompt_has_about_its_token_count():
     count = len(tok(text, add_special_tokens=False)["input_ids"])
     assert 0.8 * n <= count <= n and "<answer>" in text
     assert few_shot_system_prompt(tok, n) == text and few_shot_system_prompt(tok, 0) == ""
+
+
+def test_an_unknown_work_is_one_argument_error_before_any_work(capsys):
+    from benchmarks import bench_trl, count_ops
+
+    for main, name in ((bench_trl.main, "qwen0.5b-2l"), (count_ops.main, "qwen0.5b-2l-shape")):
+        with pytest.raises(SystemExit) as e:
+            main(["--works", f"tiny,{name}"])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 2 and f"--works: unknown '{name}'; choose from tiny" in err, err
