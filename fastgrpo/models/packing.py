@@ -252,6 +252,11 @@ def resolve_buckets(buckets: Sequence[int] | str, max_tokens: int) -> list[int]:
     return check_buckets(buckets)
 
 
+def power_of_two(n: int, least: int) -> int:
+    """The smallest power of two >= ``n`` and >= ``least``."""
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
 def segment_capacity(bucket: int) -> int:
     """Entries of a padded ``cu_seqlens`` for a row of ``bucket`` tokens: ``bucket // 2 + 2``.
 
@@ -391,6 +396,7 @@ def pack(
     buckets: Sequence[int] = (),
     max_seqlen: int | None = None,
     groups: PrefixGroups | None = None,
+    min_boundaries: int | None = None,
 ) -> list[MicroBatch]:
     """Build one ``MicroBatch`` per bin.
 
@@ -410,6 +416,13 @@ def pack(
     (a row with a shared prefix may hold more segments, each of one token at least: it keeps what it uses), and a
     padded row's ``max_seqlen`` is ``max_seqlen`` (the prompt + completion cap; a longer sequence is a ValueError,
     since the varlen kernels would read past it), or without it the row's bucket: either way the same at every step.
+
+    ``min_boundaries`` (what a step's plan passes): a padded row's ``cu_seqlens`` has the power of two >= the entries
+    it uses (at least ``min_boundaries``, at most ``segment_capacity``) instead of the bucket's worst case, and its
+    ``max_seqlen`` is at most its bucket. Why: the varlen kernels launch a block per (sequence slot, ``max_seqlen``
+    tile, head), empty slots included (at a bucket of 8192 tokens with ``max_seqlen`` the bucket, ~3.7M blocks per
+    attention kernel, most returning at once); a power of two keeps the boundary tensor to a few shapes per bucket,
+    one compiled or captured graph each.
     """
     buckets = check_buckets(buckets)
     if buckets and max_seqlen is not None:
@@ -492,14 +505,22 @@ def pack(
         cu_k = [0, *itertools.accumulate(keys + pad)]
         if bucket is not None:  # a fixed count per bucket: zero-length segments at the end
             assert is_shared or len(cu) <= segment_capacity(bucket), (cu, bucket)
-            cu += [cu[-1]] * (segment_capacity(bucket) - len(cu))
+            slots = max(len(cu), segment_capacity(bucket))
+            if min_boundaries is not None:  # the power of two >= what the row uses (docstring)
+                slots = min(slots, power_of_two(len(cu), min_boundaries))
+            cu += [cu[-1]] * (slots - len(cu))
             cu_k += [cu_k[-1]] * (len(cu) - len(cu_k))
         bounds.append(cu)
         if is_shared:
             vectors += [kv, context + [-1] * sum(pad)]
             bounds.append(cu_k)
+        if bucket is None:
+            row_seqlen = max(seq_lengths, default=1)
+        else:  # padded: the run's cap, or the bucket (at most the bucket with min_boundaries: no sequence is longer)
+            row_seqlen = max_seqlen or bucket
+            row_seqlen = row_seqlen if min_boundaries is None else min(row_seqlen, bucket)
         plans.append(dict(seq_lengths=seq_lengths, pad=pad, shared=is_shared, segments=segments, keys=keys,
-                          max_seqlen=max(seq_lengths, default=1) if bucket is None else max_seqlen or bucket))
+                          max_seqlen=row_seqlen))
 
     def views(parts: list[list[int]], dtype: torch.dtype, row: bool = False) -> tuple[torch.Tensor, ...]:
         flat = torch.tensor([x for part in parts for x in part], dtype=dtype)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -33,8 +33,8 @@ from fastgrpo.distributed import groups as fdist
 from fastgrpo.distributed.runner import ModelRunner, as_runner
 from fastgrpo.kernels import linear_logprobs
 from fastgrpo.models.attention import use_shared_prefix
-from fastgrpo.models.packing import (MicroBatch, pack, plan_microbatches, plan_shared_microbatches, prefix_groups,
-                                     resolve_buckets, split_to_count)
+from fastgrpo.models.packing import (MicroBatch, pack, plan_microbatches, plan_shared_microbatches, power_of_two,
+                                     prefix_groups, resolve_buckets, split_to_count)
 from fastgrpo.runtime.metrics import StepMetrics
 from fastgrpo.update.guard import NonFiniteGuard
 from fastgrpo.update.head import TokenHead
@@ -105,7 +105,7 @@ def plan_step(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_
     ``prepare_model``; 'auto' resolves against ``max_tokens``); () = no padding. A padded row's shapes are
     kept to a few values, each one compiled graph or one set of CUDA graphs: its ``max_seqlen`` is the step's
     longest sequence (over all ranks) rounded up to a power of two (at least ``MIN_PADDED_SEQLEN``; at most the
-    row's bucket), its ``cu_seqlens`` the power of two >= the entries it uses (:func:`_fewer_boundaries`).
+    row's bucket), its ``cu_seqlens`` the power of two >= the entries it uses (``pack``'s ``min_boundaries``).
     ``shared_prefix`` (:func:`shares_prefix`): the sequences with the same prompt hold it once per row
     (``fastgrpo.models.packing``, "Shared prefixes"), a group kept in one row where it fits the budget."""
     seq_lens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
@@ -118,40 +118,16 @@ def plan_step(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_
     bins = split_to_count(bins, seq_lens, max(r[2] for r in ranks))
     buckets = resolve_buckets(buckets, max_tokens)
     # padded rows: max_seqlen the step's longest sequence over all ranks, rounded up to a power of two
-    max_seqlen = _power_of_two(max(r[3] for r in ranks), MIN_PADDED_SEQLEN) if buckets else None
+    max_seqlen = power_of_two(max(r[3] for r in ranks), MIN_PADDED_SEQLEN) if buckets else None
     mbs = pack(prompt_ids, completion_ids, bins, device=device, pad_token_id=pad_token_id, buckets=buckets,
-               max_seqlen=max_seqlen, groups=groups)
-    return StepPlan(mbs=[_fewer_boundaries(mb, buckets) for mb in mbs],
-                    num_sequences=sum(r[0] for r in ranks), num_tokens=sum(r[1] for r in ranks))
+               max_seqlen=max_seqlen, groups=groups, min_boundaries=MIN_BOUNDARIES)
+    return StepPlan(mbs=mbs, num_sequences=sum(r[0] for r in ranks), num_tokens=sum(r[1] for r in ranks))
 
 
 MIN_PADDED_SEQLEN = 16
 """The smallest ``max_seqlen`` of a padded row (:func:`plan_step`)."""
 MIN_BOUNDARIES = 8
 """The fewest ``cu_seqlens`` entries of a padded row (:func:`plan_step`)."""
-
-
-def _power_of_two(n: int, least: int) -> int:
-    """The smallest power of two >= ``n`` and >= ``least``."""
-    return max(least, 1 << max(0, n - 1).bit_length())
-
-
-def _fewer_boundaries(mb: MicroBatch, buckets: Sequence[int]) -> MicroBatch:
-    """A padded row's ``cu_seqlens`` cut from ``segment_capacity(bucket)`` entries (every row's worst case: a
-    bucket's worth of 2-token sequences) to the power of two >= the entries it uses (at least ``MIN_BOUNDARIES``),
-    and its ``max_seqlen`` to the bucket where the step's is longer (no sequence of the row can be).
-
-    Why: the varlen kernels launch a block per (sequence slot, ``max_seqlen`` tile, head), empty slots included;
-    at a bucket of 8192 tokens and ``max_seqlen`` the bucket (an H100 run of the CUDA-graphed update) that was ~3.7M blocks
-    per attention kernel, most of them returning at once: the likely cause of that run's CUDA-graphed update taking
-    4x eager's time. A power of two keeps the boundary tensor to a few shapes per bucket (one graph each); the entries cut are all
-    repeats of the last (empty segments), so the row's segments do not change."""
-    if mb.num_tokens not in buckets:  # unpadded: cu_seqlens has exactly the entries it uses
-        return mb
-    used = len(mb.segment_lengths) + 1
-    keep = min(mb.cu_seqlens.numel(), _power_of_two(used, MIN_BOUNDARIES))
-    return replace(mb, cu_seqlens=mb.cu_seqlens[:keep], max_seqlen=min(mb.max_seqlen, mb.num_tokens),
-                   cu_seqlens_k=None if mb.cu_seqlens_k is None else mb.cu_seqlens_k[:keep])
 
 
 def count_update_tokens(metrics: StepMetrics, mbs: list[MicroBatch], passes: int = 1) -> None:
