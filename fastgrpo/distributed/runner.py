@@ -36,7 +36,8 @@ from torch import nn
 from fastgrpo.config import ParallelConfig
 from fastgrpo.distributed.parallelize import (autocast_dtype, compiled_block_forwards, parallelize_model,
                                               transformer_blocks)
-from fastgrpo.models.loading import packed_head_forward
+from fastgrpo.models.attention import packed_inputs_for
+from fastgrpo.models.loading import get_trunk_and_head, packed_head_forward
 from fastgrpo.models.lora import adapters_disabled, is_lora
 from fastgrpo.models.packing import AUTO_BUCKETS, MicroBatch
 
@@ -83,6 +84,12 @@ class ModelRunner:
     """Persistent ``.grad`` buffers installed before each update's backward passes, or None."""
     blocks: list[nn.Module] = field(default_factory=list)
     """The decoder blocks ``block_forwards`` stand in for (as the module holds them: wrapped, sharded)."""
+    attention_inputs: Callable[[MicroBatch], dict[str, Any]] | None = None
+    """A packed row's boundary kwargs for the module's attention backend, resolved once (at construction)."""
+
+    def __post_init__(self) -> None:
+        if self.attention_inputs is None:
+            self.attention_inputs = packed_inputs_for(get_trunk_and_head(self.module)[0].config)
 
     def packed_forward(self, mb: MicroBatch, head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
         """``head(hidden [N, H], lm_head weight [V, H])`` on one packed micro-batch; returns what ``head`` returns
@@ -100,7 +107,7 @@ class ModelRunner:
 
     def _run(self, mb: MicroBatch, head: Callable) -> Any:
         return packed_head_forward(self.module, mb, head, autocast_dtype=self.autocast_dtype,
-                                   head_graphs=self.head_graphs)
+                                   head_graphs=self.head_graphs, attention_inputs=self.attention_inputs)
 
     @contextlib.contextmanager
     def _block_forwards(self) -> Iterator[None]:

@@ -20,7 +20,7 @@ from fastgrpo.models.packing import MicroBatch
 from fastgrpo.models.varlen_op import bottom_right_causal, varlen_attn, varlen_attn_kv
 
 __all__ = ["ATTN_BACKENDS", "STATIC_SHAPES_PROBLEM", "AttnBackend", "block_causal_mask", "choose_attn_implementation",
-           "decoding_attn_implementation", "packed_attention_inputs", "register_attn_backend",
+           "decoding_attn_implementation", "packed_attention_inputs", "packed_inputs_for", "register_attn_backend",
            "register_with_transformers", "shared_prefix_problem", "use_shared_prefix"]
 
 
@@ -488,16 +488,24 @@ def use_shared_prefix(setting: str, *, impl: str | None, config: Any = None, sta
     return problem is None
 
 
-def packed_attention_inputs(config: Any, mb: MicroBatch) -> dict[str, Any]:
-    """Extra trunk kwargs that mark the sequence boundaries of packed row ``mb`` for a model with ``config``; a row
-    with a shared prefix that the model's attention cannot express is a ValueError, never a wrong result."""
+def packed_inputs_for(config: Any) -> Callable[[MicroBatch], dict[str, Any]]:
+    """``inputs(mb)``: the extra trunk kwargs that mark the sequence boundaries of packed row ``mb`` for a model
+    with ``config``, the attention backend looked up once (a model runner holds it for the run); a row with a shared
+    prefix that the model's attention cannot express is a ValueError, never a wrong result."""
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
-    if mb.shares_prefix:
-        problem = shared_prefix_problem(impl, config)
-        if problem is not None:
-            raise ValueError(f"a packed row with a shared prefix: {problem}")
+    problem = shared_prefix_problem(impl, config)
     layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return {}
-    backend = ATTN_BACKENDS.get(impl)
-    return backend.packed_inputs(mb) if backend is not None else {}
+    # sliding-window layers read no boundaries from these kwargs (the loader refuses packing them)
+    backend = None if any(t != "full_attention" for t in layer_types) else ATTN_BACKENDS.get(impl)
+
+    def inputs(mb: MicroBatch) -> dict[str, Any]:
+        if mb.shares_prefix and problem is not None:
+            raise ValueError(f"a packed row with a shared prefix: {problem}")
+        return backend.packed_inputs(mb) if backend is not None else {}
+
+    return inputs
+
+
+def packed_attention_inputs(config: Any, mb: MicroBatch) -> dict[str, Any]:
+    """:func:`packed_inputs_for` ``(config)(mb)``, for one row."""
+    return packed_inputs_for(config)(mb)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fastgrpo.models.attention import (choose_attn_implementation, packed_attention_inputs,
+from fastgrpo.models.attention import (choose_attn_implementation, packed_inputs_for,
                                        plain_forward_attn_implementation, register_with_transformers)
 from fastgrpo.config import ModelConfig, not_a_file
 from fastgrpo.models.packing import MicroBatch
@@ -309,24 +309,29 @@ def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:
 # The packed forward
 
 
-def packed_hidden_states(trunk: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+def packed_hidden_states(trunk: torch.nn.Module, mb: MicroBatch,
+                         attention_inputs: Callable[[MicroBatch], dict[str, Any]] | None = None) -> torch.Tensor:
     """Run the decoder trunk on one packed row and return hidden states at completion positions: [N, H].
 
     trunk is ``model.get_decoder()`` (``model.model`` for Qwen2/Llama). ``use_cache=False`` matters: with a
-    cache transformers treats the row as one sequence (its packing detection needs no cache).
+    cache transformers treats the row as one sequence (its packing detection needs no cache). ``attention_inputs``:
+    the row's boundary kwargs (``fastgrpo.models.attention.packed_inputs_for(trunk.config)``, which a runner
+    resolves once); looked up from the trunk's config when None.
     """
+    attention_inputs = attention_inputs or packed_inputs_for(trunk.config)
     out = trunk(
         input_ids=mb.input_ids,  # [1, T]
         position_ids=mb.position_ids,  # [1, T]
         use_cache=False,
-        **{"attention_mask": None, **packed_attention_inputs(trunk.config, mb)},
+        **{"attention_mask": None, **attention_inputs(mb)},
     )
     hidden = out.last_hidden_state[0]  # [T, H]
     return hidden.index_select(0, mb.hidden_index)  # [N, H]
 
 
 def packed_head_forward(model: torch.nn.Module, mb: MicroBatch, head: Callable[[torch.Tensor, torch.Tensor], Any], *,
-                        autocast_dtype: torch.dtype | None = None, head_graphs: Any = None) -> Any:
+                        autocast_dtype: torch.dtype | None = None, head_graphs: Any = None,
+                        attention_inputs: Callable[[MicroBatch], dict[str, Any]] | None = None) -> Any:
     """``head(hidden [N, H], lm_head_weight [V, H])`` on one micro-batch of a causal LM; returns what head returns.
 
     The loss (e.g. ``fastgrpo.kernels.linear_grpo_loss``) runs inside this call so that, under FSDP2, the
@@ -334,14 +339,15 @@ def packed_head_forward(model: torch.nn.Module, mb: MicroBatch, head: Callable[[
     runs this function inside the root unit's FSDP hooks. ``autocast_dtype`` (one plain GPU, float32 weights):
     the trunk runs under autocast and the head on both operands cast to it. ``head_graphs``
     (``fastgrpo.update.cuda_graphs.HeadGraphs``): the head replayed from its CUDA graph where it can be.
+    ``attention_inputs``: as :func:`packed_hidden_states` takes it.
     """
     trunk, lm_head = get_trunk_and_head(model)  # rejects models whose logits are not hidden @ weight.T
     dtype, graphs = autocast_dtype, head_graphs
     if dtype is None:
-        hidden = packed_hidden_states(trunk, mb)  # [N, H]
+        hidden = packed_hidden_states(trunk, mb, attention_inputs)  # [N, H]
     else:
         with torch.autocast(lm_head.weight.device.type, dtype=dtype):
-            hidden = packed_hidden_states(trunk, mb)  # [N, H]; float32 where the residual stream is (as under AMP)
+            hidden = packed_hidden_states(trunk, mb, attention_inputs)  # [N, H]; float32 where the residual stream is (as under AMP)
 
     def eager() -> Any:
         if dtype is None:
