@@ -275,7 +275,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...],
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} {not_a_file(p)}")
-        with _nesting(f"config file {str(p)!r}"):
+        with too_deep(f"config file {str(p)!r}", _CONFIG_DEPTH):
             tree = _read_yaml(p) or {}
         if not isinstance(tree, dict):
             raise ConfigError(f"{p}: top level must be a mapping")
@@ -283,23 +283,27 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...],
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
         key, raw = item.split("=", 1)
-        with _nesting(f"override {key.strip()!r}"):
+        with too_deep(f"override {key.strip()!r}", _CONFIG_DEPTH):
             try:
                 value = yaml.safe_load(raw) if raw != "" else ""
             except yaml.YAMLError:
                 raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
             _set_dotted(tree, key.strip(), value)
-    with _nesting("the config"):
+    with too_deep("the config", _CONFIG_DEPTH):
         return _build(cls, tree, "", cls).validate()
 
 
 @contextlib.contextmanager
-def _nesting(where: str) -> Iterator[None]:
+def too_deep(where: str, advice: str, error: type[Exception] = ConfigError) -> Iterator[None]:
+    """A RecursionError inside becomes one line: ``error`` naming ``where``, then ``advice``."""
     try:
         yield
     except RecursionError:
-        raise ConfigError(f"{where}: a value is nested too deeply to read (deeper than Python's recursion limit); a "
-                          "config holds a few levels of sections and plain values") from None
+        raise error(f"{where}: a value is nested too deeply to read (deeper than Python's recursion limit); "
+                    f"{advice}") from None
+
+
+_CONFIG_DEPTH = "a config holds a few levels of sections and plain values"
 
 
 def not_a_file(path: Path) -> str:

@@ -15,13 +15,13 @@ import os
 import resource
 import shutil
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fastgrpo.config import TrainConfig, not_a_file, run_defining_changes, run_kind_of
+from fastgrpo.config.loader import too_deep
 from fastgrpo.distributed import checkpoint as ckpt
 from fastgrpo.distributed.parallelize import check_parallel
 from fastgrpo.models.attention import choose_attn_implementation, use_shared_prefix
@@ -230,14 +230,9 @@ def engine_context(cfg: Any) -> int | None:
     return rollout.vllm.max_model_len if rollout.engine == "vllm" else None
 
 
-@contextlib.contextmanager
-def nested_data(source: str) -> Iterator[None]:
+def nested_data(source: str) -> contextlib.AbstractContextManager:
     """Data nested deeper than Python's recursion limit (a JSON value of 100k brackets) is a ValueError."""
-    try:
-        yield
-    except RecursionError:
-        raise ValueError(f"data.source {source!r}: a value is nested too deeply to read (deeper than Python's "
-                         "recursion limit); flatten it or drop that row") from None
+    return too_deep(f"data.source {source!r}", "flatten it or drop that row", ValueError)
 
 
 def warn_batch_above_data(what: str, per_rank: int, world_size: int, num_rows: int) -> None:
