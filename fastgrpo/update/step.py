@@ -86,14 +86,14 @@ class StepPlan:
     """``counted_tokens`` summed over all ranks."""
 
 
-def shares_prefix(setting: str, runner) -> bool:
+def shares_prefix(setting: str, runner: ModelRunner | torch.nn.Module) -> bool:
     """Whether the packed passes on ``runner`` (a ``fastgrpo.distributed.runner.ModelRunner``, or a module) share
     each group's prompt prefix: ``setting`` is ``grpo.shared_prefix`` ('auto': wherever the model's attention can,
     with eager blocks; 'true' where it cannot: a ValueError naming both keys)."""
-    module = getattr(runner, "module", runner)
-    config = getattr(module, "config", None)
+    runner = as_runner(runner)
+    config = getattr(runner.module, "config", None)
     return use_shared_prefix(setting, impl=getattr(config, "_attn_implementation", None), config=config,
-                             static_shapes=bool(getattr(runner, "block_forwards", None)))
+                             static_shapes=bool(runner.block_forwards))
 
 
 def plan_step(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_tokens: int, *,
