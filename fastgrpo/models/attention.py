@@ -199,7 +199,7 @@ def _sequence_starts(position_ids: torch.Tensor | None, length: int) -> list[int
 
 # torch's FlashAttention varlen op and its keyword names, looked up once here: inside a compiled block's trace both
 # lookups are graph breaks on torch 2.11 (dynamo does not trace importlib's find_spec: "Attempted to call function
-# marked as skipped", the first H100 run of issue 38) and would cost a signature parse per layer otherwise.
+# marked as skipped", an H100 run of the graphed update) and would cost a signature parse per layer otherwise.
 _TORCH_VARLEN = importlib.util.find_spec("torch.nn.attention.varlen") is not None
 _VARLEN_FN: Callable | None = None
 _VARLEN_PARAMS: tuple[str, ...] = ()
