@@ -43,8 +43,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # One command for a lent GPU machine, inside one 10-minute call (BUDGET_S, default 570 s): the headline verdict first
-# (fastgrpo vs TRL, decode vs generate), then the CUDA tests and kernel benchmarks; the summary table is printed last
-# and written to $OUT/summary.md (default OUT: benchmarks/results; see benchmarks/run_gpu.sh and RESULTS.md).
+# (fastgrpo with and without shared prompts vs TRL, with MFU), then the CUDA tests, decode vs generate and the kernel
+# benchmarks; the summary table is printed last and written to $OUT/summary.md (default OUT: benchmarks/results; see
+# benchmarks/run_gpu.sh and RESULTS.md). SMOKE=1: the same steps at tiny shapes on the CPU (.venv's python).
 bench-gpu:
 	bash benchmarks/run_gpu.sh
 

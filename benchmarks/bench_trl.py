@@ -54,6 +54,7 @@ from benchmarks.peer_work import (  # noqa: E402
     spread_reward, trl_config, write_prompts,
 )
 from benchmarks.profile_phases import phase_seconds, phase_table  # noqa: E402
+from fastgrpo.runtime.peaks import device_peak_flops  # noqa: E402
 
 # -- the two children (each run is a fresh process) ------------------------------------------------------------
 
@@ -321,7 +322,9 @@ def _jsonl(path: Path) -> list[dict]:
 
 def _read_steps(side: str, run_dir: Path) -> list[dict]:
     """Per-step records in one format: gen_s, update_s, step_s, prompt_tokens, completion_tokens, and t_begin (wall
-    clock; absent from a fastgrpo step whose stamp was not written, whose step_s is then rollout + update)."""
+    clock; absent from a fastgrpo step whose stamp was not written, whose step_s is then rollout + update); a
+    fastgrpo step also has its update's FLOPs as the trainer counts them (``fastgrpo.runtime.metrics.
+    add_update_flops``): ``flops`` of the sequences as if unshared, ``flops_forwarded`` of what its trunk ran."""
     records = _jsonl(_progress_file(side, run_dir))
     if side == "trl":
         return records
@@ -332,6 +335,8 @@ def _read_steps(side: str, run_dir: Path) -> list[dict]:
         rec = {"step": r["step"], "gen_s": r["time/rollout_s"], "update_s": r["time/update_s"],
                "step_s": r["time/rollout_s"] + r["time/update_s"], "completion_tokens": comp,
                "prompt_tokens": int(r["perf/update_tokens"]) - comp}
+        if "perf/update_flops" in r:
+            rec |= {"flops": r["perf/update_flops"], "flops_forwarded": r["perf/update_flops_forwarded"]}
         out.append(rec | (stamps[i] if i < len(stamps) else {}))
     return out
 
@@ -352,29 +357,53 @@ def phases(run: dict, warmup: int) -> dict:
 
 # -- alternated pairs, medians, ratios -------------------------------------------------------------------------
 
-METRICS = (  # name, unit, per-run value from (median step record, run, tokens per step)
-    ("generation", "s", lambda r, run, n: r["gen_s"]),
-    ("update", "s", lambda r, run, n: r["update_s"]),
-    ("step", "s", lambda r, run, n: r["step_s"]),
-    ("update tokens/s", "", lambda r, run, n: n / r["update_s"]),
-    ("end-to-end tokens/s", "", lambda r, run, n: n / r["step_s"]),
-    ("peak memory", "GB", lambda r, run, n: (run["cuda_peak_bytes"] if run["cuda_peak_bytes"] is not None
+def _mfu(key: str):
+    """An MFU row's per-run value (percent): the median step's ``key`` FLOPs over its update seconds and the device's
+    peak; None off CUDA (no peak) or where the FLOPs are not known."""
+    def value(r: dict, run: dict, w: dict) -> float | None:
+        if not w.get("peak_flops") or r.get(key) is None:
+            return None
+        return 100 * r[key] / r["update_s"] / w["peak_flops"]
+    return value
+
+
+METRICS = (  # name, unit, per-run value from (median step record, run, the work: tokens per step, peak FLOP/s)
+    ("generation", "s", lambda r, run, w: r["gen_s"]),
+    ("update", "s", lambda r, run, w: r["update_s"]),
+    ("step", "s", lambda r, run, w: r["step_s"]),
+    ("update tokens/s", "", lambda r, run, w: w["tokens"] / r["update_s"]),
+    ("end-to-end tokens/s", "", lambda r, run, w: w["tokens"] / r["step_s"]),
+    ("peak memory", "GB", lambda r, run, w: (run["cuda_peak_bytes"] if run["cuda_peak_bytes"] is not None
                                               else run["peak_rss_bytes"] or float("nan")) / 1e9),
+    # the update's model FLOPs utilisation, counted on the tokens each side's trunk forwarded (the hardware's work:
+    # fastgrpo with shared prefixes forwards each group's prompt once) and on the sequences' tokens as if unshared
+    # (the same FLOPs for every side: what compares the trainers)
+    ("MFU, tokens forwarded", "%", _mfu("flops_forwarded")),
+    ("MFU, sequences' tokens", "%", _mfu("flops")),
 )
 
 
 def median_record(steps: list[dict], warmup: int) -> dict:
-    """Per-key median over the measured (post warm-up) steps."""
+    """Per-key median over the measured (post warm-up) steps: the times, and the FLOPs where the side counts them."""
     kept = steps[warmup:]
-    return {k: statistics.median(s[k] for s in kept) for k in ("gen_s", "update_s", "step_s")}
+    keys = ("gen_s", "update_s", "step_s", *(k for k in ("flops", "flops_forwarded") if kept and all(
+        s.get(k) is not None for s in kept)))
+    return {k: statistics.median(s[k] for s in kept) for k in keys}
 
 
 def summarize(name: str, work: dict, runs: list[dict]) -> dict:
     """runs: alternating records of the sides, each tagged with its repeat index. Rows: per metric, each side's
     per-run medians and the fastgrpo / TRL ratio of every finished pair (with the unshared side: its ratio to TRL,
     ``ratios_unshared``, and sharing's own, fastgrpo / unshared, ``ratios_sharing``); phases: per side, each
-    finished run's start-up, first step and warm-up (:func:`phases`), kept out of the rows."""
+    finished run's start-up, first step and warm-up (:func:`phases`), kept out of the rows. MFU (``work``'s
+    ``peak_flops``, CUDA): fastgrpo's from the FLOPs its trainer counted; TRL forwards every sequence whole and
+    unpadded here (one prompt length, no EOS), so both of its counts are the sequences' FLOPs fastgrpo counted for
+    the same work (the median over its runs)."""
     tokens = work["sequences"] * (work["prompt_len"] + work["max_completion_length"])
+    finished = [median_record(r["steps"], work["warmup"]) for r in runs if not r["error"] and r["side"] != "trl"]
+    counted = [m["flops"] for m in finished if "flops" in m]
+    sequence_flops = statistics.median(counted) if counted else None
+    context = {"tokens": tokens, "peak_flops": work.get("peak_flops")}
     names = ["fastgrpo", *([UNSHARED] if any(r["side"] == UNSHARED for r in runs) else []), "trl"]
     per_side: dict[str, dict[int, dict]] = {n: {} for n in names}
     phase: dict[str, list[dict]] = {n: [] for n in names}
@@ -397,14 +426,18 @@ def summarize(name: str, work: dict, runs: list[dict]) -> dict:
                 notes.append(f"{run['side']} repeat {run['repeat']} step {rec['step']}: tokens (prompt, completion) "
                              f"{got} != {want}")
         med = median_record(run["steps"], work["warmup"])
-        per_side[run["side"]][run["repeat"]] = {m: fn(med, run, tokens) for m, _, fn in METRICS}
+        if run["side"] == "trl" and sequence_flops is not None:
+            med |= {"flops": sequence_flops, "flops_forwarded": sequence_flops}
+        per_side[run["side"]][run["repeat"]] = {m: fn(med, run, context) for m, _, fn in METRICS}
         phase[run["side"]].append({"repeat": run["repeat"], **phases(run, work["warmup"])})
     def ratios(a: str, b: str, m: str) -> list[float]:
-        return [per_side[a][k][m] / per_side[b][k][m] for k in sorted(set(per_side[a]) & set(per_side[b]))]
+        return [per_side[a][k][m] / per_side[b][k][m] for k in sorted(set(per_side[a]) & set(per_side[b]))
+                if per_side[a][k][m] is not None and per_side[b][k][m] is not None]
 
     rows = []
     for m, unit, _ in METRICS:
-        row = {"metric": m, "unit": unit, **{n: [per_side[n][k][m] for k in sorted(per_side[n])] for n in names},
+        row = {"metric": m, "unit": unit, **{n: [per_side[n][k][m] for k in sorted(per_side[n])
+                                                 if per_side[n][k][m] is not None] for n in names},
                "ratios": ratios("fastgrpo", "trl", m)}
         if UNSHARED in per_side:
             row |= {"ratios_unshared": ratios(UNSHARED, "trl", m), "ratios_sharing": ratios("fastgrpo", UNSHARED, m)}
@@ -434,7 +467,7 @@ def markdown(summary: dict) -> str:
              + (" unshared / TRL | shared / unshared |" if unshared else ""),
              "|---|---|---|---|---|" + ("---|---|---|" if unshared else "")]
     for r in s["rows"]:
-        digits = 0 if "tokens/s" in r["metric"] else (2 if r["unit"] == "GB" else 3)
+        digits = 0 if "tokens/s" in r["metric"] else (2 if r["unit"] in ("GB", "%") else 3)
         unit = f" ({r['unit']})" if r["unit"] else ""
         lines.append(f"| {r['metric']}{unit} | {_fmt(r['fastgrpo'], digits)} | "
                      + (f"{_fmt(r[UNSHARED], digits)} | " if unshared else "") + f"{_fmt(r['trl'], digits)} | "
@@ -547,6 +580,8 @@ def prepare(work: Work, args, root: Path, device: str) -> dict:
         spec["fastgrpo_attn"] = args.fastgrpo_attn
     if getattr(args, "fastgrpo_set", None):
         spec["fastgrpo_set"] = list(args.fastgrpo_set)
+    # the device's peak for the MFU rows (None off CUDA or for a GPU the table does not know: those rows say n/a)
+    spec["peak_flops"] = device_peak_flops(device)
     return spec | {"max_eos_probability": check_no_eos(model_dir, prompts_file)}
 
 
@@ -630,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name}] repeat {rep} {side}: {run['wall_s']:.0f}s wall"
                   + (f" (start-up {ph['startup_s']:.1f}s, first step {ph['first_step_s']:.2f}s)"
                      if ph.get("startup_s") is not None else "") + ", "
-                  + (", ".join(f"{k} {v:.3f}" for k, v in med.items()) or run["error"])
+                  + (", ".join(f"{k} {v:.3f}" for k, v in med.items() if k.endswith("_s")) or run["error"])
                   + (f", peak memory {mem / 1e9:.2f} GB" if mem else ""), file=sys.stderr)
         done[name] += pair  # results after each pair, so a cut-short call keeps every finished one
         write_results(args, argv, configs, [summarize(n, specs[n], r) | {"runs": r} for n, r in done.items() if r])

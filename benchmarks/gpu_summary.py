@@ -1,6 +1,6 @@
 """The verdict of one GPU call (``benchmarks/run_gpu.sh``): the headline comparisons, each with its ratio, its target
-and met / not met / not run, then every step of the call with its status, and the start-up and warm-up times that
-the ratios leave out.
+and met / not met / not run, the update's MFU per side on both token counts, then every step of the call with its
+status, and the start-up and warm-up times that the ratios leave out.
 
     python3 benchmarks/gpu_summary.py --work DIR --out OUT/summary.md
 
@@ -8,7 +8,7 @@ Reads what run_gpu.sh leaves in DIR:
   steps.tsv       one line per step: name, status (ok | failed | timeout | skipped | unavailable), seconds, limit,
                   note (tab-separated)
   device.txt      date, GPU, versions
-  bench_trl.json  ``bench_trl.py``'s results (pairs of fastgrpo and TRL runs per work)
+  bench_trl.json  ``bench_trl.py``'s results (runs of fastgrpo, fastgrpo with shared prefixes off and TRL per work)
   decode.log      ``bench_rollout.py --hf-vs-generate``'s output (its markdown table)
   pytest.xml      the GPU pytest's JUnit report
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
-from benchmarks.bench_trl import markdown as trl_markdown  # noqa: E402
+from benchmarks.bench_trl import UNSHARED, markdown as trl_markdown  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -44,17 +44,32 @@ class Target:
     bound: float | None = None
     at_least: bool = False
     """False: met when the value is <= bound (a time ratio); True: met when it is >= bound (a speed-up)."""
+    ratios: str = "ratios"
+    """Which of bench_trl's per-pair ratios: 'ratios' (fastgrpo / TRL) or 'ratios_sharing' (fastgrpo with shared
+    prefixes / fastgrpo with them off, the same run's third side)."""
 
 
-# bench_trl's work name and metric name -> the comparison (the 0.5B-shapes targets first: they are the verdict)
-TRL_TARGETS = {
-    ("qwen0.5b-shape", "update"): Target("policy update, fastgrpo / TRL, Qwen2.5-0.5B shapes, bf16", "trl", 0.7),
-    ("qwen0.5b-shape", "step"): Target("whole step, fastgrpo / TRL, Qwen2.5-0.5B shapes, bf16", "trl", 0.6),
-    ("qwen0.5b-shape", "peak memory"): Target("peak memory, fastgrpo / TRL, Qwen2.5-0.5B shapes", "trl"),
-    ("tiny", "update"): Target("policy update, fastgrpo / TRL, tiny model, bf16", "trl"),
-    ("tiny", "step"): Target("whole step, fastgrpo / TRL, tiny model, bf16", "trl"),
-    ("tiny", "peak memory"): Target("peak memory, fastgrpo / TRL, tiny model", "trl"),
-}
+# bench_trl's work name and metric name -> the comparison (the 0.5B-shapes targets first: they are the verdict; then
+# the 512-token shared prompt, fastgrpo against TRL and sharing against the same trainer with it off)
+TRL_TARGETS = [
+    ("qwen0.5b-shape", "update", Target("policy update, fastgrpo / TRL, Qwen2.5-0.5B shapes, bf16", "trl", 0.7)),
+    ("qwen0.5b-shape", "step", Target("whole step, fastgrpo / TRL, Qwen2.5-0.5B shapes, bf16", "trl", 0.6)),
+    ("qwen0.5b-shape", "peak memory", Target("peak memory, fastgrpo / TRL, Qwen2.5-0.5B shapes", "trl")),
+    ("qwen0.5b-long-prompt", "update", Target("policy update, fastgrpo / TRL, 512-token shared prompt, Qwen2.5-0.5B "
+                                              "shapes", "trl")),
+    ("qwen0.5b-long-prompt", "update", Target("policy update, prompts shared / unshared, 512-token shared prompt, "
+                                              "Qwen2.5-0.5B shapes", "trl", ratios="ratios_sharing")),
+    ("qwen0.5b-long-prompt", "step", Target("whole step, fastgrpo / TRL, 512-token shared prompt, Qwen2.5-0.5B "
+                                            "shapes", "trl")),
+    ("long-prompt", "update", Target("policy update, fastgrpo / TRL, 512-token shared prompt, tiny model", "trl")),
+    ("long-prompt", "update", Target("policy update, prompts shared / unshared, 512-token shared prompt, tiny model",
+                                     "trl", ratios="ratios_sharing")),
+    ("tiny", "update", Target("policy update, fastgrpo / TRL, tiny model, bf16", "trl")),
+    ("tiny", "step", Target("whole step, fastgrpo / TRL, tiny model, bf16", "trl")),
+    ("tiny", "peak memory", Target("peak memory, fastgrpo / TRL, tiny model", "trl")),
+]
+MFU_WORKS = ("qwen0.5b-shape", "qwen0.5b-long-prompt", "long-prompt")
+"""bench_trl works whose update MFU the verdict table reports (both counts, every side)."""
 DECODE = Target("decode, fastgrpo hf engine vs transformers `generate`, 64 sequences (speed-up)", "decode", 2.0,
                 at_least=True)
 DECODE_SEQUENCES = 64
@@ -109,16 +124,40 @@ def _ratio_text(ratios: list[float], digits: int = 2) -> str:
 def trl_verdicts(trl: dict | None, steps: dict[str, dict]) -> list[Verdict]:
     works = {w["work"]: w for w in (trl or {}).get("works", [])}
     out = []
-    for (work, metric), target in TRL_TARGETS.items():
+    for work, metric, target in TRL_TARGETS:
         w = works.get(work)
         row = next((r for r in w["rows"] if r["metric"] == metric), None) if w else None
-        if not row or not row["ratios"]:
+        ratios = row.get(target.ratios, []) if row else []
+        if not ratios:
             why = f"{work}: no finished pair" + (f" ({'; '.join(w['notes'][:2])})" if w and w["notes"] else "")
             out.append(not_run(target, steps, why if trl else "no bench_trl.json"))
         elif not w["equal_tokens"]:
-            out.append(Verdict(target, _ratio_text(row["ratios"]), "invalid: unequal tokens (bench_trl notes)"))
+            out.append(Verdict(target, _ratio_text(ratios), "invalid: unequal tokens (bench_trl notes)"))
         else:
-            out.append(Verdict(target, _ratio_text(row["ratios"]), judge(target, statistics.median(row["ratios"]))))
+            out.append(Verdict(target, _ratio_text(ratios), judge(target, statistics.median(ratios))))
+    return out
+
+
+def mfu_verdicts(trl: dict | None, steps: dict[str, dict]) -> list[Verdict]:
+    """The update's MFU at each of ``MFU_WORKS`` that bench_trl ran, both counts (bench_trl's rows "MFU, tokens
+    forwarded" and "MFU, sequences' tokens"), median over runs for each side; reported, no target."""
+    works = {w["work"]: w for w in (trl or {}).get("works", [])}
+    out = []
+    for work in MFU_WORKS:
+        w = works.get(work)
+        if w is None:
+            continue
+        target = Target(f"update MFU, tokens forwarded / sequences' tokens, {work}", "trl")
+        rows = {r["metric"]: r for r in w["rows"]}
+        forwarded, sequences = rows.get("MFU, tokens forwarded"), rows.get("MFU, sequences' tokens")
+        sides = [(name, side) for name, side in (("fastgrpo", "fastgrpo"), ("unshared", UNSHARED),
+                                                 ("TRL", "trl")) if forwarded and forwarded.get(side)]
+        if not sides:
+            out.append(not_run(target, steps, f"{work}: no MFU (no run finished, or no peak FLOP/s for the device)"))
+            continue
+        out.append(Verdict(target, "; ".join(
+            f"{name} {statistics.median(forwarded[side]):.1f}% / {statistics.median(sequences[side]):.1f}%"
+            for name, side in sides), "reported"))
     return out
 
 
@@ -177,7 +216,7 @@ def summary(work: Path) -> str:
     decode_file = work / "decode.log"
     decode_text = decode_file.read_text(errors="replace") if decode_file.is_file() else None
     tests, failed = pytest_verdict(work / "pytest.xml", steps)
-    verdicts = [*trl_verdicts(trl, steps), decode_verdict(decode_text, steps), tests]
+    verdicts = [*trl_verdicts(trl, steps), *mfu_verdicts(trl, steps), decode_verdict(decode_text, steps), tests]
 
     device = (work / "device.txt").read_text().strip() if (work / "device.txt").is_file() else "device: unknown"
     out = [f"# GPU call: the headline verdict\n\n```\n{device}\n```\n",

@@ -74,6 +74,10 @@ WORKS = {
     "long-prompt": Work(model="tiny", prompts_per_step=2, max_completion_length=64, system_prompt_tokens=512),
     "smollm2-long-prompt": Work(model="smollm2-135m-instruct", prompts_per_step=2, max_completion_length=64,
                                 system_prompt_tokens=512),
+    # The same long prompt at Qwen2.5-0.5B's shapes (the 0.5B work's model folder), for a GPU: a trunk of a real
+    # model's widths over the prompt's repeats, which is what sharing saves.
+    "qwen0.5b-long-prompt": Work(model="qwen2.5-0.5b", prompts_per_step=2, max_completion_length=64,
+                                 system_prompt_tokens=512),
 }
 
 

@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from benchmarks import peer_work
+from benchmarks.bench_trl import UNSHARED
 from fastgrpo.config import load_config, to_dict
 
 
@@ -319,8 +320,26 @@ def test_the_gpu_trl_update_and_head_script_refuses_a_machine_without_cuda(tmp_p
     assert "no CUDA device visible" in proc.stderr + proc.stdout
 
 
+def test_run_gpu_refuses_a_machine_without_cuda_unless_smoke(tmp_path):
+    """benchmarks/run_gpu.sh (make bench-gpu) parses (bash -n) and, with no CUDA device and no SMOKE=1, stops at once
+    with exit 2 and says why (SMOKE=1 runs its steps at tiny shapes on a CPU, minutes: not a test)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, SMOKE="0")
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no CUDA device visible" in proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
 def test_the_unshared_side_gets_its_own_column_and_sharings_ratio():
-    from benchmarks.bench_trl import UNSHARED, markdown, summarize
+    from benchmarks.bench_trl import markdown, summarize
 
     work = {"sequences": 2, "prompt_len": 3, "max_completion_length": 4, "warmup": 1, "steps": 2, "model": "m",
             "prompts_per_step": 1, "generations": 2}
@@ -331,6 +350,67 @@ def test_the_unshared_side_gets_its_own_column_and_sharings_ratio():
     text = markdown(s)
     assert "prompts unshared" in text and "shared / unshared" in text
     assert "prompts unshared" not in markdown(summarize("w", work, [runs[0], runs[2]]))
+
+
+def _with_flops(run, flops, forwarded):
+    """A fastgrpo run record whose steps carry the update FLOPs its trainer counted (fabricated test data)."""
+    return run | {"steps": [st | {"flops": flops, "flops_forwarded": forwarded} for st in run["steps"]]}
+
+
+def _three_sides_work(peak_flops):
+    work = {"sequences": 2, "prompt_len": 3, "max_completion_length": 4, "warmup": 1, "steps": 2, "model": "m",
+            "prompts_per_step": 1, "generations": 2, "peak_flops": peak_flops}
+    # updates: fastgrpo 0.5 s, unshared 1.0 s, TRL 2.0 s (steps 1.0 / 1.5 / 2.5 s, generation 0.5 s each)
+    runs = [_with_flops(_run("fastgrpo", 0, [9.0, 1.0, 1.0], gen=0.5), 600.0, 200.0),
+            _with_flops(_run(UNSHARED, 0, [9.0, 1.5, 1.5], gen=0.5), 600.0, 600.0),
+            _run("trl", 0, [9.0, 2.5, 2.5], gen=0.5)]
+    return work, runs
+
+
+def test_mfu_rows_count_the_forwarded_and_the_sequences_flops_and_trls_are_the_sequences():
+    """MFU per side on both counts: fastgrpo's from the FLOPs its trainer logged; TRL, which forwards every
+    sequence whole here, gets the sequences' FLOPs of the same work on both; off CUDA (no peak) the rows say n/a."""
+    from benchmarks.bench_trl import markdown, summarize
+
+    work, runs = _three_sides_work(100.0)
+    rows = {r["metric"]: r for r in summarize("w", work, runs)["rows"]}
+    forwarded, sequences = rows["MFU, tokens forwarded"], rows["MFU, sequences' tokens"]
+    assert forwarded["fastgrpo"] == [100 * 200.0 / 0.5 / 100.0] and sequences["fastgrpo"] == [100 * 600.0 / 0.5 / 100.0]
+    assert forwarded[UNSHARED] == sequences[UNSHARED] == [100 * 600.0 / 1.0 / 100.0]
+    assert forwarded["trl"] == sequences["trl"] == [100 * 600.0 / 2.0 / 100.0]
+    assert sequences["ratios"] == [4.0] and sequences["ratios_sharing"] == [2.0]
+    assert "| MFU, tokens forwarded (%) | 400.00 (400.00-400.00) |" in markdown(summarize("w", work, runs))
+    work, runs = _three_sides_work(None)
+    rows = {r["metric"]: r for r in summarize("w", work, runs)["rows"]}
+    assert rows["MFU, tokens forwarded"]["fastgrpo"] == [] and rows["MFU, tokens forwarded"]["ratios"] == []
+    assert "| MFU, sequences' tokens (%) | n/a | n/a | n/a | n/a | n/a |" in markdown(summarize("w", work, runs))
+
+
+def test_gpu_summary_reports_the_long_prompts_sharing_ratio_and_the_mfu(tmp_path):
+    """Fabricated step outputs (TEST DATA): the long-prompt work's three sides give fastgrpo / TRL, shared /
+    unshared, and each side's MFU on both counts; a work without a peak says why it has no MFU."""
+    import json
+
+    from benchmarks.bench_trl import summarize
+    from benchmarks.gpu_summary import summary
+
+    work, runs = _three_sides_work(100.0)
+    no_peak, no_peak_runs = _three_sides_work(None)
+    trl = {"command": "TEST", "works": [summarize("long-prompt", work, runs) | {"runs": runs},
+                                        summarize("qwen0.5b-long-prompt", no_peak, no_peak_runs)]}
+    (tmp_path / "bench_trl.json").write_text(json.dumps(trl))
+    (tmp_path / "steps.tsv").write_text("trl\tok\t200\t300\t\n")
+    text = summary(tmp_path)
+    verdict = {line.split("|")[1].strip(): (line.split("|")[2].strip(), line.split("|")[4].strip())
+               for line in text.splitlines() if line.startswith("| ") and line.count("|") == 5}
+    assert verdict["policy update, fastgrpo / TRL, 512-token shared prompt, tiny model"] == (
+        "0.25 (0.25-0.25), 1 pair", "reported")
+    assert verdict["policy update, prompts shared / unshared, 512-token shared prompt, tiny model"] == (
+        "0.50 (0.50-0.50), 1 pair", "reported")
+    assert verdict["update MFU, tokens forwarded / sequences' tokens, long-prompt"] == (
+        "fastgrpo 400.0% / 1200.0%; unshared 600.0% / 600.0%; TRL 300.0% / 300.0%", "reported")
+    measured, outcome = verdict["update MFU, tokens forwarded / sequences' tokens, qwen0.5b-long-prompt"]
+    assert outcome == "not run" and "no peak FLOP/s" in measured
 
 
 def test_the_long_prompt_works_system_prompt_has_about_its_token_count():

@@ -150,3 +150,121 @@ def test_peak_figures_go_by_the_device_name_most_specific_first(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert peaks.device_peak_bandwidth("cuda") == bandwidth, name
         assert peaks.device_peak_flops("cuda") == (None if bandwidth is None else 989e12), name
+
+
+def test_causal_pairs_count_a_shared_prefix_once_and_a_completion_over_prefix_and_own_tokens():
+    from fastgrpo.runtime.step_cost import causal_pairs
+
+    assert causal_pairs([(8, 8)]) == 36  # one unshared sequence of 8: 1 + 2 + ... + 8
+    # prefix of 5 once (15), then two own segments of 3, each over 5 + its own causal 3 (15 + 6)
+    assert causal_pairs([(5, 5), (3, 8), (3, 8)]) == 15 + 2 * 21
+    assert causal_pairs([(5, 5), (3, 8), (3, 8)]) < causal_pairs([(8, 8), (8, 8)])
+
+
+def _shared_batch(seed: int, *, groups: int = 3, g: int = 4, same_prompt: bool = True):
+    """``groups`` prompts of odd lengths, each sampled ``g`` times, completions of 1-9 tokens; ``same_prompt``
+    False: every sample's prompt differs from the first token (nothing to share)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts, completions = [], []
+    for k in range(groups):
+        prompt = torch.randint(1, 50, (int(torch.randint(9, 23, (1,), generator=gen)),), generator=gen).tolist()
+        for j in range(g):
+            prompts.append(prompt if same_prompt else [50 + 4 * k + j, *prompt[1:]])
+            completions.append(torch.randint(1, 50, (int(torch.randint(1, 10, (1,), generator=gen)),),
+                                             generator=gen).tolist())
+    return prompts, completions
+
+
+def _update_work(prompts, completions, *, shared: bool, budget: int = 1024, buckets=()):
+    from fastgrpo.update.step import count_update_tokens, plan_step
+
+    plan = plan_step(prompts, completions, budget, device="cpu", shared_prefix=shared, buckets=buckets)
+    metrics = StepMetrics()
+    count_update_tokens(metrics, plan.mbs)
+    return plan.mbs, metrics.reduce()
+
+
+@pytest.mark.parametrize("budget, buckets", [(1024, ()), (30, ()), (30, (32, 64))])
+def test_the_update_counts_the_attention_pairs_its_rows_mask_in(budget, buckets):
+    """The pairs count_update_tokens logs are the entries the rows' block-causal masks let through, padding left out:
+    forwarded ones from the shared plan (a budget of 30 splits each group into parts that repeat its prefix, or
+    leaves a part that would not pay unshared; buckets pad the rows), the sequences' own ones from the batch planned
+    unshared."""
+    from fastgrpo.models.attention import block_causal_mask
+
+    prompts, completions = _shared_batch(0, groups=2, g=8)
+
+    def masked(mbs):
+        return sum(int(block_causal_mask(mb)[..., :mb.num_real_tokens, :mb.num_real_tokens].sum()) for mb in mbs
+                   if not mb.is_dummy)
+
+    shared_mbs, work = _update_work(prompts, completions, shared=True, budget=budget, buckets=buckets)
+    unshared_mbs, _ = _update_work(prompts, completions, shared=False, budget=budget, buckets=buckets)
+    assert sum(mb.shares_prefix for mb in shared_mbs) >= (1 if budget > 100 else 3)  # 30: a group in two rows
+    assert work["perf/update_attention_pairs_forwarded"] == masked(shared_mbs)
+    assert work["perf/update_attention_pairs"] == masked(unshared_mbs)
+    assert work["perf/update_completion_tokens"] == sum(map(len, completions))
+
+
+def _qwen2(layers: int = 2):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2))
+
+
+def test_update_flops_count_a_trunk_pass_per_token_the_head_on_completions_and_the_attention_pairs():
+    from fastgrpo.runtime.step_cost import UpdateCost, update_flops
+
+    model = _qwen2()
+    cost = UpdateCost.of(model)
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert cost.trunk_params == 2 * layer + 32  # two blocks and the final norm; the embedding is a lookup
+    assert cost.head_params == 32 * 100 and cost.attention_width == 2 * 4 * 8
+    # two sequences: 3 + 2 and 4 + 1 tokens
+    assert update_flops(model, [3, 4], [2, 1]) == (6 * cost.trunk_params * 10 + 6 * 3200 * 3
+                                                   + 12 * 64 * (15 + 15))
+
+
+def test_update_flops_on_a_shared_layout_are_fewer_and_equal_the_unshared_where_nothing_is_shared():
+    """The trainer's count (count_update_tokens, then add_update_flops): a batch of G samples per prompt planned with
+    its prefixes shared has fewer forwarded FLOPs than its sequences', which equal the unshared count of the
+    benchmarks' ``update_flops``; a batch whose prompts differ from the first token, or one planned unshared, has
+    both counts equal."""
+    from fastgrpo.runtime.metrics import add_update_flops
+    from fastgrpo.runtime.step_cost import UpdateCost, update_flops
+
+    model = _qwen2()
+    cost = UpdateCost.of(model)
+
+    def flops(prompts, completions, shared):
+        _, record = _update_work(prompts, completions, shared=shared, budget=60)
+        add_update_flops(record, cost, update_s=1.0, num_iterations=2, peak_flops=None, world_size=1)
+        assert "perf/mfu" not in record  # no peak (a CPU): the FLOPs alone
+        return record["perf/update_flops_forwarded"], record["perf/update_flops"]
+
+    prompts, completions = _shared_batch(1)
+    unshared = 2 * update_flops(model, [len(p) for p in prompts], [len(c) for c in completions])
+    forwarded, sequences = flops(prompts, completions, shared=True)
+    assert sequences == unshared and forwarded < 0.8 * sequences
+    assert flops(prompts, completions, shared=False) == (unshared, unshared)
+    prompts, completions = _shared_batch(1, same_prompt=False)
+    forwarded, sequences = flops(prompts, completions, shared=True)
+    assert forwarded == sequences == 2 * update_flops(model, [len(p) for p in prompts], [len(c) for c in completions])
+
+
+def test_mfu_is_logged_on_the_forwarded_flops_and_on_the_sequences_per_device():
+    from fastgrpo.runtime.metrics import add_update_flops
+    from fastgrpo.runtime.step_cost import UpdateCost
+
+    record = {"perf/update_tokens": 100.0, "perf/update_tokens_forwarded": 40.0, "perf/update_completion_tokens": 20.0,
+              "perf/update_attention_pairs": 500.0, "perf/update_attention_pairs_forwarded": 300.0}
+    cost = UpdateCost(trunk_params=1000, head_params=50, attention_width=2)
+    add_update_flops(record, cost, update_s=0.5, num_iterations=3, peak_flops=1e6, world_size=2)
+    assert record["perf/update_flops"] == 3 * (6 * 1000 * 100 + 6 * 50 * 20 + 12 * 2 * 500)
+    assert record["perf/update_flops_forwarded"] == 3 * (6 * 1000 * 40 + 6 * 50 * 20 + 12 * 2 * 300)
+    assert record["perf/mfu"] == record["perf/update_flops_forwarded"] / (0.5 * 1e6 * 2)
+    assert record["perf/mfu_sequences"] == record["perf/update_flops"] / (0.5 * 1e6 * 2)
+    empty = {"perf/update_tokens": 1.0}  # an update that counted no work: nothing added
+    add_update_flops(empty, cost, update_s=0.5, num_iterations=1, peak_flops=1e6, world_size=1)
+    assert empty == {"perf/update_tokens": 1.0}

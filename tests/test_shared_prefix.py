@@ -498,8 +498,8 @@ def test_multi_turn_update_with_environment_tokens_shared_equals_unshared():
 
 def test_the_trainer_step_shares_by_default_and_logs_both_counts(tmp_path):
     """The trainer's own step (the golden test's run, G = 4 samples of 3 prompts, sdpa_varlen on a CPU): 'auto'
-    shares, the record counts the sequences' tokens and, fewer, the tokens forwarded; with sharing off the two agree
-    and the loss is the same."""
+    shares, the record counts the sequences' tokens and, fewer, the tokens forwarded, and so the FLOPs and the MFU
+    (a peak stood in for the CUDA device's); with sharing off the two agree and the loss is the same."""
     from test_golden import ScriptedEngine
 
     from fastgrpo.config import load_config
@@ -515,11 +515,18 @@ def test_the_trainer_step_shares_by_default_and_logs_both_counts(tmp_path):
             f"grpo.shared_prefix={setting}", f"output_dir={tmp_path / setting}"])
         torch.manual_seed(0)
         trainer = Trainer(cfg, engine=ScriptedEngine(load_tokenizer(cfg.model, seed=cfg.seed)))
+        assert trainer.peak_flops is None  # a CPU: no MFU of its own
+        trainer.peak_flops = 1e12
         records[setting], _ = trainer.train_step()
     on, off = records["auto"], records["false"]
     assert on["perf/update_tokens"] == off["perf/update_tokens"] == off["perf/update_tokens_forwarded"]
     assert on["perf/update_tokens_forwarded"] < on["perf/update_tokens"]
     assert on["perf/update_tokens_forwarded_per_s"] < on["perf/update_tokens_per_s"]
+    assert on["perf/update_flops"] == off["perf/update_flops"] == off["perf/update_flops_forwarded"]
+    assert on["perf/update_flops_forwarded"] < on["perf/update_flops"]
+    assert on["perf/mfu"] / on["perf/mfu_sequences"] == pytest.approx(
+        on["perf/update_flops_forwarded"] / on["perf/update_flops"])
+    assert off["perf/mfu"] == off["perf/mfu_sequences"] > 0
     _assert_same(torch.tensor(on["loss"]), torch.tensor(off["loss"]), "loss")
 
 

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["StepMetrics", "Timer", "add_throughput"]
+from fastgrpo.runtime.step_cost import UpdateCost
+
+__all__ = ["StepMetrics", "Timer", "add_throughput", "add_update_flops"]
 
 
 # internal key prefix: a min is a max of negatives
@@ -163,3 +165,24 @@ def add_throughput(record: dict[str, float], *, rollout_s: float, update_s: floa
                                                         / max(update_s, 1e-9))
     record["perf/tokens_per_s"] = ((record["perf/rollout_tokens"] + record["perf/update_tokens"])
                                    / max(rollout_s + update_s, 1e-9))
+
+
+def add_update_flops(record: dict[str, float], cost: UpdateCost, *, update_s: float, num_iterations: int,
+                     peak_flops: float | None, world_size: int) -> None:
+    """The update's useful FLOPs over all ranks from the work ``fastgrpo.update.step.count_update_tokens`` logged,
+    counted two ways: ``perf/update_flops``, the sequences' as if unshared (every prompt forwarded with each of its
+    completions, as other trainers do), and ``perf/update_flops_forwarded``, what the trunk ran (each shared prefix
+    once, its completions' attention over it). With the device's ``peak_flops`` (CUDA): model FLOPs utilisation,
+    ``perf/mfu`` of the forwarded FLOPs (the work the hardware did) and ``perf/mfu_sequences`` of the sequences'
+    (what compares across trainers), per device: FLOPs / (update seconds * peak * ranks). Nothing without the
+    counts (an update that logs none)."""
+    if "perf/update_attention_pairs_forwarded" not in record:
+        return
+    head = record["perf/update_completion_tokens"]
+    for key, suffix in (("perf/update_flops", ""), ("perf/update_flops_forwarded", "_forwarded")):
+        record[key] = num_iterations * cost.flops(tokens=record[f"perf/update_tokens{suffix}"], head_tokens=head,
+                                                  attention_pairs=record[f"perf/update_attention_pairs{suffix}"])
+    if peak_flops:
+        capacity = max(update_s, 1e-9) * peak_flops * world_size
+        record["perf/mfu"] = record["perf/update_flops_forwarded"] / capacity
+        record["perf/mfu_sequences"] = record["perf/update_flops"] / capacity

@@ -3,9 +3,12 @@ of the decode step's bandwidth floor; :mod:`fastgrpo.runtime.peaks` has the deno
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["decode_step_bytes", "update_flops"]
+__all__ = ["UpdateCost", "causal_pairs", "decode_step_bytes", "update_flops"]
 
 
 def decode_step_bytes(model: torch.nn.Module, *, sequences: int, batch_size: int, context: float) -> float:
@@ -27,16 +30,48 @@ def decode_step_bytes(model: torch.nn.Module, *, sequences: int, batch_size: int
     return batches * weight_bytes + sequences * context * kv_bytes_per_token
 
 
-def update_flops(model: torch.nn.Module, prompt_lens: list[int], comp_lens: list[int]) -> float:
-    """Useful training FLOPs (forward + backward) of one packed update.
+def causal_pairs(segments: Iterable[tuple[int, int]]) -> int:
+    """Query-key pairs causal attention computes over ``segments``, each ``(queries, keys)``: a segment's L queries
+    are its own tokens, its K >= L keys are whatever it sees before them and itself, causal aligned bottom-right, so
+    query j (1-based) sees K - L + j keys and the segment L * (K - L) + L * (L + 1) / 2. An unshared sequence of T
+    tokens is ``(T, T)``; with a shared prefix of S tokens, the prefix is ``(S, S)`` once and each sequence's own
+    segment of L tokens ``(L, S + L)`` (``fastgrpo.models.packing``, "Shared prefixes")."""
+    return sum(q * (k - q) + q * (q + 1) // 2 for q, k in segments)
 
-    6 * trunk params * all tokens + 6 * H * V * completion tokens only (the head runs on completions) +
-    causal attention 6 * layers * d_attn * sum_i T_i^2 (per sequence: packing has no cross-sequence attention).
-    """
-    cfg = model.config
-    n_trunk = sum(p.numel() for p in model.get_decoder().parameters()) - model.get_input_embeddings().weight.numel()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    d_attn = cfg.num_attention_heads * head_dim
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateCost:
+    """A model's update FLOPs per unit of work (forward + backward: 3x the forward's 2 FLOPs per multiply-add)."""
+
+    trunk_params: int
+    """Parameters the trunk multiplies each token by (the decoder's, less the input embedding: a lookup)."""
+    head_params: int
+    """H * V: the head's multiply-adds per token it runs on."""
+    attention_width: int
+    """layers * heads * head_dim: multiply-adds of one query-key pair's score (and of its weighted value)."""
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "UpdateCost":
+        """From a transformers causal LM (plain, PEFT-wrapped or FSDP2-sharded: a DTensor counts its full size)."""
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        embed = model.get_input_embeddings().weight.numel()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(trunk_params=sum(p.numel() for p in model.get_decoder().parameters()) - embed,
+                   head_params=cfg.hidden_size * cfg.vocab_size,
+                   attention_width=cfg.num_hidden_layers * cfg.num_attention_heads * head_dim)
+
+    def flops(self, *, tokens: float, head_tokens: float, attention_pairs: float) -> float:
+        """6 * trunk params * tokens the trunk runs + 6 * H * V * tokens the head runs on (completions only) +
+        12 * layers * d_attn * causal query-key pairs (scores and weighted values, 2 multiply-adds per pair and
+        dimension, forward and backward)."""
+        return (6 * self.trunk_params * tokens + 6 * self.head_params * head_tokens
+                + 12 * self.attention_width * attention_pairs)
+
+
+def update_flops(model: torch.nn.Module, prompt_lens: list[int], comp_lens: list[int]) -> float:
+    """Useful training FLOPs (forward + backward) of one packed update of unshared sequences (each prompt forwarded
+    with its completion, as other trainers do): :meth:`UpdateCost.flops` of every token, the head on completion
+    tokens only, and each sequence's causal attention over itself (packing has no cross-sequence attention)."""
     totals = [p + c for p, c in zip(prompt_lens, comp_lens)]
-    return (6 * n_trunk * sum(totals) + 6 * cfg.hidden_size * cfg.vocab_size * sum(comp_lens)
-            + 6 * cfg.num_hidden_layers * d_attn * sum(t * t for t in totals))
+    return UpdateCost.of(model).flops(tokens=sum(totals), head_tokens=sum(comp_lens),
+                                      attention_pairs=causal_pairs((t, t) for t in totals))

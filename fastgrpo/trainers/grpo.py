@@ -29,9 +29,9 @@ from fastgrpo.trainers import preflight
 from fastgrpo.trainers.evaluate import evaluate
 from fastgrpo.trainers.loop import TrainingLoop, build_scheduler, closes_on_error  # noqa: F401 (public here too)
 from fastgrpo.runtime.errors import NonFiniteError
-from fastgrpo.runtime.metrics import StepMetrics, Timer, add_throughput
+from fastgrpo.runtime.metrics import StepMetrics, Timer, add_throughput, add_update_flops
 from fastgrpo.runtime.peaks import device_peak_flops
-from fastgrpo.runtime.step_cost import update_flops
+from fastgrpo.runtime.step_cost import UpdateCost
 from fastgrpo.update.bundle import TrainedModel
 from fastgrpo.update.microbatch import auto_microbatch_tokens
 from fastgrpo.models.loading import load_model, load_tokenizer, resolve_model_path
@@ -89,7 +89,8 @@ class Trainer(TrainingLoop):
             ref = load_model(cfg.model, device=self.device, seed=cfg.seed).eval().requires_grad_(False)
             self.ref_model = prepare_model(ref, cfg.parallel, device=self.device, world_size=self.world_size)
 
-        self.peak_flops = device_peak_flops(self.device)
+        self.peak_flops = device_peak_flops(self.device)  # None off CUDA: no MFU, the FLOPs alone
+        self.update_cost = UpdateCost.of(self.model)
         self._microbatch_tokens: int | None = None  # grpo.max_tokens_per_microbatch null on CUDA: sized at the 1st update
 
         self.prompt_cache: dict[int, tuple[str, list[int]]] = {}
@@ -392,12 +393,11 @@ class Trainer(TrainingLoop):
         metrics.total("perf/rollout_tokens", ep.lengths.sum().float())
         metrics.host("time/rollout_s", rollout_s)
         metrics.host("time/update_s", update_s)
-        if self.peak_flops:  # CUDA only: model FLOPs utilisation of the policy update on this rank
-            flops = self.cfg.grpo.num_iterations * update_flops(
-                self.model, [len(p) for p in ep.prompt_ids], ep.lengths.tolist())
-            metrics.set("perf/mfu", torch.tensor(flops / max(update_s, 1e-9) / self.peak_flops, device=self.device))
         record = {"step": self.step, **metrics.reduce()}
         add_throughput(record, rollout_s=rollout_s, update_s=update_s, num_iterations=self.cfg.grpo.num_iterations)
+        # the update's FLOPs, and on CUDA its MFU on the tokens forwarded and on the sequences' tokens
+        add_update_flops(record, self.update_cost, update_s=update_s, num_iterations=self.cfg.grpo.num_iterations,
+                         peak_flops=self.peak_flops, world_size=self.world_size)
         record["data/skipped_rows"] = float(self.data_info.get("skipped_invalid_rows", 0))
         return record
 

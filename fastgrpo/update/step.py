@@ -36,6 +36,7 @@ from fastgrpo.models.attention import use_shared_prefix
 from fastgrpo.models.packing import (MicroBatch, pack, plan_microbatches, plan_shared_microbatches, power_of_two,
                                      prefix_groups, resolve_buckets, split_to_count)
 from fastgrpo.runtime.metrics import StepMetrics
+from fastgrpo.runtime.step_cost import causal_pairs
 from fastgrpo.update.guard import NonFiniteGuard
 from fastgrpo.update.head import TokenHead
 from fastgrpo.update.master_weights import gradients_for_clipping
@@ -134,9 +135,25 @@ def count_update_tokens(metrics: StepMetrics, mbs: list[MicroBatch], passes: int
     """Log ``perf/update_tokens``, the sequences' own tokens in ``mbs`` (prompt + completion each, as a trainer
     without shared prefixes forwards them: what throughput compares across trainers), and beside it
     ``perf/update_tokens_forwarded``, the tokens the trunk ran (each shared prefix once, no bucket padding); each
-    ``passes`` times (PPO's updates over one plan)."""
-    metrics.total("perf/update_tokens", torch.tensor(float(sum(mb.num_sequence_tokens for mb in mbs) * passes)))
-    metrics.total("perf/update_tokens_forwarded", torch.tensor(float(sum(mb.num_real_tokens for mb in mbs) * passes)))
+    ``passes`` times (PPO's updates over one plan). With them the rest of the update's work, from which the trainer
+    counts its FLOPs (:func:`fastgrpo.runtime.metrics.add_update_flops`): ``perf/update_completion_tokens`` (the rows
+    the head runs on) and the causal attention's query-key pairs, ``perf/update_attention_pairs`` of the sequences
+    unshared and ``perf/update_attention_pairs_forwarded`` of the rows as forwarded (a shared prefix's pairs once,
+    a completion's over the prefix and its own tokens: :func:`fastgrpo.runtime.step_cost.causal_pairs`)."""
+    def total(name: str, value: int) -> None:
+        metrics.total(name, torch.tensor(float(value * passes)))
+
+    total("perf/update_tokens", sum(mb.num_sequence_tokens for mb in mbs))
+    total("perf/update_tokens_forwarded", sum(mb.num_real_tokens for mb in mbs))
+    total("perf/update_completion_tokens", sum(mb.num_completion_tokens for mb in mbs))
+    total("perf/update_attention_pairs", causal_pairs((t, t) for mb in mbs for t in mb.seq_lengths))
+    total("perf/update_attention_pairs_forwarded", sum(causal_pairs(_forwarded_segments(mb)) for mb in mbs))
+
+
+def _forwarded_segments(mb: MicroBatch) -> list[tuple[int, int]]:
+    """``(queries, keys)`` of each segment ``mb`` forwards, the bucket padding's dummy segments left out."""
+    real = len(mb.segment_lengths) - len(mb.pad_lengths)
+    return list(zip(mb.segment_lengths[:real], mb.key_segment_lengths[:real]))
 
 
 def plan_packed(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_tokens: int, *,
