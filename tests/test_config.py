@@ -195,3 +195,40 @@ def test_every_resumable_key_names_a_key_or_a_section_of_a_run_config():
 
     known = dotted(to_dict(TrainConfig())) | dotted(to_dict(SFTConfig()))
     assert [k for k in RESUMABLE_KEYS if k not in known] == []
+
+
+def test_components_check_their_sections_with_only_the_config_imported():
+    """config imports no component and names none of their checks: validating a run config imports the components
+    its choice fields name, which register their checks (section_check), so a caller that imported config alone
+    still meets every one: the engines', the environments', PPO's and the algorithm's."""
+    code = """
+import sys
+from fastgrpo.config import ConfigError, load_config
+components = ("fastgrpo.algorithms", "fastgrpo.rollout", "fastgrpo.environments")
+assert not [m for m in sys.modules if m.startswith(components)]
+for overrides in (["rollout.hf.batch_size=0"], ["rollout.vllm.sync_bucket_mb=0"], ["rollout.env.name=tools"],
+                  ["rollout.env.kwargs={a: 1}"], ["ppo.gamma=2"], ["algorithm=ppo", "grpo.num_iterations=2"],
+                  ["rollout.asynchronous=true"], ["rollout.engine=vllm", "rollout.vllm.max_model_len=8",
+                                                  "rollout.max_completion_length=8"]):
+    try:
+        load_config(None, overrides)
+        print("accepted", overrides)
+    except ConfigError as e:
+        print(str(e).split(":")[0])
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["rollout.hf.batch_size", "rollout.vllm.sync_bucket_mb", "rollout.env.tools",
+                                   "rollout.env.kwargs", "ppo.gamma", "grpo.num_iterations",
+                                   "rollout.importance_sampling_cap", "rollout.max_completion_length"]
+
+
+def test_a_section_built_directly_meets_its_components_checks():
+    from fastgrpo.config import EnvConfig, HFRolloutConfig, check_section
+    import fastgrpo.environments  # noqa: F401  (registers the environments' checks)
+    import fastgrpo.rollout  # noqa: F401  (registers the engines' checks)
+
+    with pytest.raises(ConfigError, match=r"rollout\.hf\.batch_size: must be >= 1"):
+        check_section(HFRolloutConfig(batch_size=0), "rollout.hf")
+    with pytest.raises(ConfigError, match=r"rollout\.env\.tools: the 'tools' environment needs at least one tool"):
+        check_section(EnvConfig(name="tools"), "rollout.env")

@@ -5,7 +5,8 @@ The trainer (:class:`fastgrpo.trainers.grpo.Trainer`) holds no branch on the alg
 which models to build besides the policy (``extra_models``: each gets its own optimizer, schedule, guard and
 checkpoint folder), whether a reference model is needed, how many optimizer updates the policy's LR schedule spans,
 whether the rollout computes group advantages, whether multi-turn rollouts are served, and it hands each step's
-episodes to ``update``. The config runs ``check_config`` when a run config is validated.
+episodes to ``update``. ``check_config`` runs when a run config is validated
+(:func:`fastgrpo.algorithms.registry.check_algorithm`, registered with the config's ``section_check``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from fastgrpo.algorithms.kept_mass import old_kept_log_mass
 from fastgrpo.algorithms.tokens import (PolicyObjective, SequenceBatch, TokenInputs, importance_weights,
                                        loss_type_weights)
 from fastgrpo.config import GRPOConfig, PPOConfig, RolloutConfig
-from fastgrpo.config.loader import check
+from fastgrpo.config.loader import check, section_check
 from fastgrpo.distributed import groups as fdist
 from fastgrpo.distributed.runner import ModelRunner, as_runner
 from fastgrpo.models.packing import MicroBatch, completion_offsets
@@ -258,6 +258,19 @@ def total_updates(max_steps: int, ppo: PPOConfig) -> tuple[int, int]:
     per_step = ppo.num_ppo_epochs * ppo.num_mini_batches
     return max(1, (max_steps - ppo.critic_warmup_steps) * per_step), max_steps * per_step
 
+
+@section_check(PPOConfig)
+def check_ppo_section(ppo: PPOConfig, p: str) -> None:
+    check(0 <= ppo.gamma <= 1, f"{p}.gamma", f"must be in [0, 1], got {ppo.gamma}")
+    check(0 <= ppo.lam <= 1, f"{p}.lam", f"must be in [0, 1], got {ppo.lam}")
+    check(ppo.kl_coef >= 0, f"{p}.kl_coef", "must be >= 0")
+    check(ppo.vf_coef > 0, f"{p}.vf_coef", "must be > 0")
+    check(ppo.cliprange_value > 0, f"{p}.cliprange_value", "must be > 0")
+    check(0 < ppo.critic_lr <= 1, f"{p}.critic_lr", f"must be in (0, 1], got {ppo.critic_lr}")
+    check(ppo.num_ppo_epochs >= 1, f"{p}.num_ppo_epochs", "must be >= 1")
+    check(ppo.num_mini_batches >= 1, f"{p}.num_mini_batches", "must be >= 1")
+    check(ppo.critic_init is None or bool(ppo.critic_init), f"{p}.critic_init", "must be non-empty or null")
+    check(ppo.critic_warmup_steps >= 0, f"{p}.critic_warmup_steps", "must be >= 0")
 
 
 def check_ppo_config(cfg) -> None:

@@ -12,7 +12,9 @@ A run is described by a YAML file plus dotted ``key=value`` overrides on the com
   :class:`SFTConfig`.
 
 Bad values raise :class:`ConfigError` (a ``ValueError``) naming the field, before any model loads. This package
-is the bottom layer: it imports no other fastgrpo module at import time.
+imports no other fastgrpo module at import time. A component checks what it serves of its section itself and
+registers the check (:func:`fastgrpo.config.loader.section_check`); validation reaches it through the component's
+choice table, never by name.
 """
 
 from __future__ import annotations

@@ -3,14 +3,21 @@
 It knows no section: a run config class (``TrainConfig``, ``SFTConfig``, see :mod:`fastgrpo.config.runs`) is a
 tree of keyword-only dataclasses, each field with a one-line docstring (the string literal under it) that
 :func:`describe` prints. Loading builds that tree from a mapping, naming the closest valid key for an unknown one,
-coerces each value to its annotation, then validates: every choice field, then each section's ``validate``.
+coerces each value to its annotation, then validates: every choice field, then each section's ``validate`` (what
+the section accepts on its own), then the checks its components registered for it (:func:`section_check`).
 
 Choice fields have one source each. A closed set is typed ``Literal[...]``. An open set (loss types, rewards,
 rollout engines, attention backends, kernel backends, metric sinks) is the registry of the component that
 implements it, named in the field's metadata (:func:`registry`) as ``'module:NAME'``: validation, the closest-name
 hint and ``--help-config`` read that registry, so a name registered at run time is accepted with no edit here.
 The registry's module is imported only when a config is validated or described, so no config module imports a
-component (components import their config sections).
+component (components import their config sections); tests/test_layering.py reads these paths as imports.
+
+What a component serves (an algorithm, a rollout engine, the environments) is checked by that component: its module
+registers the check with :func:`section_check` for the section it reads, and :func:`check_section` runs it, so
+config never calls up into a component by name. A run config is validated only after
+:func:`load_choice_tables` has imported every component its choice fields name, so every section meets its
+components' checks whether or not the caller imported them.
 """
 
 from __future__ import annotations
@@ -25,14 +32,14 @@ import math
 import stat
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-__all__ = ["ConfigError", "check", "check_finite", "check_section", "choices", "describe", "fail", "load_config",
-           "not_a_file", "registry", "to_dict"]
+__all__ = ["ConfigError", "check", "check_finite", "check_section", "choices", "describe", "fail", "load_choice_tables",
+           "load_config", "not_a_file", "registry", "section_check", "to_dict"]
 
 
 class ConfigError(ValueError):
@@ -86,19 +93,60 @@ def _check_choice_fields(section: Any, prefix: str) -> None:
             check(v in names, f"{prefix}{f.name}", f"unknown {v!r}; choices: {', '.join(map(str, names))}{hint}")
 
 
+SectionCheck = Callable[[Any, str], None]
+"""``check(section, path)``: raises ConfigError naming the dotted field (``path`` is the section's, '' for a run
+config's own fields)."""
+
+_SECTION_CHECKS: list[tuple[type, SectionCheck]] = []
+
+
+def section_check(cls: type) -> Callable[[SectionCheck], SectionCheck]:
+    """Decorator: register a component's check of config section ``cls`` (and of its subclasses), run after the
+    section's own ``validate`` each time one is checked (:func:`check_section`; a run config's own, ``cls`` a run
+    config class: :func:`component_checks`). The component's module registers it, next to the code that reads the
+    section."""
+
+    def add(fn: SectionCheck) -> SectionCheck:
+        _SECTION_CHECKS.append((cls, fn))
+        return fn
+
+    return add
+
+
+def component_checks(section: Any, path: str) -> None:
+    """Run the checks components registered for ``section`` (at dotted ``path``), in the order they registered."""
+    for cls, fn in list(_SECTION_CHECKS):
+        if isinstance(section, cls):
+            fn(section, path)
+
+
+def load_choice_tables(cls: type) -> None:
+    """Import the registry of every choice field of config class ``cls`` (nested sections too, in field order). A
+    component registers its section checks when imported, so validating a run config after this meets them all."""
+    for f in dataclasses.fields(cls):
+        tp = _field_types(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            load_choice_tables(tp)
+        elif "registry" in f.metadata:
+            registry_table(f.metadata["registry"])
+
+
 def check_section(section: Any, path: str) -> Any:
     """Check a config section at dotted ``path`` (e.g. ``'rollout.vllm'``; ``''`` for a run config's own fields):
-    its sub-sections first, then its choice fields, then its own ``validate(path)`` if it has one. This is the one
-    place a section is checked, whether it came from a file or a component was built from it directly. Returns
-    ``section``."""
+    its sub-sections first, then its choice fields, then its own ``validate(path)`` if it has one, then the checks
+    its components registered (:func:`section_check`; a run config's own ``validate`` runs those of the run config).
+    This is the one place a section is checked, whether it came from a file or a component was built from it
+    directly. Returns ``section``."""
     prefix = f"{path}." if path else ""
     for f in dataclasses.fields(section):
         sub = getattr(section, f.name)
         if dataclasses.is_dataclass(sub):
             check_section(sub, f"{prefix}{f.name}")
     _check_choice_fields(section, prefix)
-    if path and hasattr(section, "validate"):
-        section.validate(path)
+    if path:
+        if hasattr(section, "validate"):
+            section.validate(path)
+        component_checks(section, path)
     return section
 
 

@@ -11,16 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from fastgrpo.config.loader import ConfigError, check, check_finite, check_section, fail, registry, registry_table
+from fastgrpo.config.loader import (ConfigError, check, check_finite, check_section, component_checks, fail,
+                                    load_choice_tables, registry)
 from fastgrpo.config.sections import (CheckpointConfig, DataConfig, EvalConfig, GRPOConfig, LogConfig, ModelConfig,
                                       OptimConfig, ParallelConfig, PPOConfig, RewardConfig, RolloutConfig)
 
 __all__ = ["RESUMABLE_KEYS", "RunConfig", "SFTConfig", "SFTOptions", "TrainConfig", "check_run_config", "run_kind_of",
            "run_defining_changes"]
-
-ALGORITHMS_REGISTRY = "fastgrpo.algorithms.registry:ALGORITHMS"
-"""Where ``algorithm``'s choices live (read when a config is validated, so config imports no algorithm)."""
-
 
 RESUMABLE_KEYS = (
     "name", "output_dir", "max_steps", "device", "malloc_mmap_threshold", "checkpoint.", "eval.", "log.",
@@ -129,7 +126,7 @@ class TrainConfig(RunConfig):
     rewards: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    algorithm: str = field(default="grpo", metadata=registry(ALGORITHMS_REGISTRY))
+    algorithm: str = field(default="grpo", metadata=registry("fastgrpo.algorithms.registry:ALGORITHMS"))
     """'grpo' (group-relative advantages) or 'ppo' (a learned critic, GAE token advantages: the ppo section; the
     clipped objective, batch shape and kernels stay grpo's); a name of fastgrpo.algorithms.registry.ALGORITHMS."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
@@ -140,34 +137,10 @@ class TrainConfig(RunConfig):
                          sequence_level=self.grpo.importance_sampling_level == "sequence")
         check(not self.checkpoint.export_merged or self.model.lora.enabled, "checkpoint.export_merged",
               "merges LoRA adapters: set model.lora.rank > 0 (a full fine-tune's export_hf folder is already merged)")
-        check(not (self.model.lora.modules_to_save and self.rollout.engine == "vllm"
-                   and self.rollout.vllm.lora_sync == "adapter"), "rollout.vllm.lora_sync",
-              "'adapter' sends the LoRA matrices only, not model.lora.modules_to_save: use 'merged'")
-        algorithm = registry_table(ALGORITHMS_REGISTRY)[self.algorithm]
-        check(algorithm.multi_turn or not self.rollout.env.enabled, "rollout.env",
-              f"multi-turn rollouts do not train with algorithm {self.algorithm} (use grpo)")
-        algorithm.check_config(self)  # the settings the algorithm does not serve, each naming its field
-        if self.rollout.asynchronous:
-            check_async(self, algorithm)
+        # what the chosen engine and algorithm serve: their own checks (fastgrpo.rollout.vllm,
+        # fastgrpo.algorithms.registry), registered with section_check
+        component_checks(self, "")
         return self
-
-
-def check_async(cfg: TrainConfig, algorithm) -> None:
-    """rollout.asynchronous: the combinations it serves so far (docs/ASYNC.md); each other one is refused here,
-    naming its field, rather than half-working."""
-    r = cfg.rollout
-    check(r.engine == "hf", "rollout.engine", f"rollout.asynchronous generates with the 'hf' engine only for now, got "
-          f"{r.engine!r} (vLLM on its own GPUs is designed in docs/ASYNC.md, not built)")
-    what = "the tools environment" if r.env.name == "tools" else f"the environment {r.env.name!r}"
-    check(not r.env.enabled, "rollout.env.name", f"multi-turn rollouts ({what}) are not served by "
-          "rollout.asynchronous yet: set rollout.asynchronous=false, or rollout.env.name=none for single-turn")
-    check(algorithm.asynchronous_rollout, "algorithm", f"rollout.asynchronous does not serve algorithm "
-          f"{cfg.algorithm!r} yet (grpo only)")
-    check(r.importance_sampling_cap is not None, "rollout.importance_sampling_cap",
-          "rollout.asynchronous trains on batches sampled by older weights: set the truncated importance-sampling "
-          "cap that corrects them (e.g. 2.0)")
-    check(cfg.device != "cuda", "device", "rollout.asynchronous runs on the CPU for now (the GPU design is in "
-          "docs/ASYNC.md); use device=cpu")
 
 
 def check_run_config(cfg: Any, *, head_backend_field: str, sequence_level: bool = False) -> Any:
@@ -188,6 +161,7 @@ def check_run_config(cfg: Any, *, head_backend_field: str, sequence_level: bool 
     if cfg.device == "cuda":
         check(torch.cuda.is_available(), "device",
               "is 'cuda' but no CUDA device is available (torch.cuda.is_available() is False); use auto or cpu")
+    load_choice_tables(type(cfg))  # the components its choices name register their checks when imported
     check_section(cfg, "")
     from fastgrpo.kernels import check_backend, resolve_backend  # here: kernels import torch (and triton)
 

@@ -1,6 +1,9 @@
-"""The sections of a run config: one keyword-only dataclass per component, each checked by its ``validate(path)``
-(bad values raise ``ConfigError`` naming the dotted field). Every field has a one-line docstring, which
-``--help-config`` prints. Components take their own section, never the whole run config.
+"""The sections of a run config: one keyword-only dataclass per component. A section's ``validate(path)`` checks
+what it accepts on its own; what a component serves is checked by that component, registered with
+:func:`fastgrpo.config.loader.section_check` (the rollout engines: rollout.hf, rollout.vllm; the environments:
+rollout.env; the algorithms: ppo and the run's algorithm), and the policy loss's settings by
+``fastgrpo.kernels.LossSettings``. Bad values raise ``ConfigError`` naming the dotted field. Every field has a
+one-line docstring, which ``--help-config`` prints. Components take their own section, never the whole run config.
 """
 
 from __future__ import annotations
@@ -181,7 +184,8 @@ class RewardConfig:
 
 @dataclass(kw_only=True)
 class HFRolloutConfig:
-    """The transformers engine (``rollout.engine=hf``): KV-cached decoding on the live policy."""
+    """The transformers engine (``rollout.engine=hf``): KV-cached decoding on the live policy (checked by
+    fastgrpo.rollout.hf)."""
 
     batch_size: int = 64
     """Most sequences generated at once."""
@@ -191,13 +195,11 @@ class HFRolloutConfig:
     cuda_graph: bool = True
     """CUDA, lean decode step: capture the step once per chunk in a CUDA graph and replay it per token."""
 
-    def validate(self, p: str) -> None:
-        check(self.batch_size >= 1, f"{p}.batch_size", f"must be >= 1, got {self.batch_size}")
-
 
 @dataclass(kw_only=True)
 class VLLMRolloutConfig:
-    """The colocated vLLM engine (``rollout.engine=vllm``): one in-process ``vllm.LLM`` per rank."""
+    """The colocated vLLM engine (``rollout.engine=vllm``): one in-process ``vllm.LLM`` per rank (checked by
+    fastgrpo.rollout.vllm)."""
 
     gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory for the engine (weights + KV cache); it must fit in what is free when it starts."""
@@ -216,18 +218,11 @@ class VLLMRolloutConfig:
     """With model.lora: 'merged' streams W + scale * B @ A per layer (the engine decodes a plain model); 'adapter'
     sends only the adapters to vLLM's LoRA support (less to send, slower decoding; RESULTS.md)."""
 
-    def validate(self, p: str) -> None:
-        check(0 < self.gpu_memory_utilization < 1, f"{p}.gpu_memory_utilization",
-              f"must be in (0, 1), got {self.gpu_memory_utilization}")
-        check(self.max_model_len is None or self.max_model_len >= 2, f"{p}.max_model_len",
-              f"must be >= 2 or null, got {self.max_model_len}")
-        check(self.sync_bucket_mb >= 1, f"{p}.sync_bucket_mb", f"must be >= 1, got {self.sync_bucket_mb}")
-
 
 @dataclass(kw_only=True)
 class EnvConfig:
     """Multi-turn rollouts (``rollout.max_turns`` > 1): the environment each trajectory talks to
-    (fastgrpo.environments)."""
+    (fastgrpo.environments, which checks this section)."""
 
     name: str = field(default="none", metadata=registry("fastgrpo.environments:ENVIRONMENTS", also=("none",),
                                                         plugins=True))
@@ -251,21 +246,6 @@ class EnvConfig:
     @property
     def enabled(self) -> bool:
         return self.name != "none"
-
-    def validate(self, p: str) -> None:
-        check(self.timeout_s > 0, f"{p}.timeout_s", f"must be > 0, got {self.timeout_s}")
-        check(self.num_workers >= 1, f"{p}.num_workers", f"must be >= 1, got {self.num_workers}")
-        check(self.max_output_chars >= 16, f"{p}.max_output_chars", f"must be >= 16, got {self.max_output_chars}")
-        check(isinstance(self.kwargs, dict), f"{p}.kwargs", f"must be a mapping, got {self.kwargs!r}")
-        check(self.name != "tools" or bool(self.tools), f"{p}.tools", "the 'tools' environment needs at least one tool")
-        check(not self.tools or self.name == "tools", f"{p}.tools",
-              f"tools are called by the 'tools' environment only; set {p}.name=tools")
-        # kwargs go to an environment's constructor: where there is none to take them they would be ignored
-        check(not self.kwargs or self.name not in ("none", "tools"), f"{p}.kwargs",
-              f"{sorted(self.kwargs)} would be ignored: " + ("the tools environment is set by rollout.env.tools, "
-                                                            "timeout_s, num_workers and max_output_chars"
-                                                            if self.name == "tools" else
-                                                            f"no environment is set ({p}.name=none)"))
 
 
 @dataclass(kw_only=True)
@@ -318,11 +298,6 @@ class RolloutConfig:
         check(self.max_turns == 1 or self.env.enabled, f"{p}.max_turns",
               f"more than one turn needs an environment to answer the model: set {p}.env.name")
         check(self.max_completion_length > 0, f"{p}.max_completion_length", "must be > 0")
-        check(self.engine != "vllm" or self.vllm.max_model_len is None
-              or self.max_completion_length < self.vllm.max_model_len, f"{p}.max_completion_length",
-              f"{self.max_completion_length} leaves no room for a prompt in {p}.vllm.max_model_len="
-              f"{self.vllm.max_model_len} (the engine's context holds the prompt and the completion): raise "
-              f"{p}.vllm.max_model_len or leave it null")
         check(self.temperature > 0, f"{p}.temperature", "must be > 0")
         check(0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
         check(self.top_k >= 0, f"{p}.top_k", f"must be >= 0 (0 = all tokens), got {self.top_k}")
@@ -452,7 +427,8 @@ class GRPOConfig:
 @dataclass(kw_only=True)
 class PPOConfig:
     """PPO with a learned critic (``algorithm: ppo``, fastgrpo.algorithms.ppo). The policy loss is grpo.loss_type's (the clipped
-    objective for grpo / dapo / dr_grpo: grpo.epsilon_low/high, grpo.beta) with per-token GAE advantages."""
+    objective for grpo / dapo / dr_grpo: grpo.epsilon_low/high, grpo.beta) with per-token GAE advantages. Checked by
+    fastgrpo.algorithms.ppo."""
 
     gamma: float = 1.0
     """GAE discount per token, in [0, 1] (oat's default 1: the terminal reward reaches every token undiscounted)."""
@@ -477,18 +453,6 @@ class PPOConfig:
     """The critic's trunk: a registered name, folder or hub id; None = model.name_or_path (the policy's base)."""
     critic_warmup_steps: int = 0
     """First rollout steps in which only the critic trains (the policy's first update then meets fitted values)."""
-
-    def validate(self, p: str) -> None:
-        check(0 <= self.gamma <= 1, f"{p}.gamma", f"must be in [0, 1], got {self.gamma}")
-        check(0 <= self.lam <= 1, f"{p}.lam", f"must be in [0, 1], got {self.lam}")
-        check(self.kl_coef >= 0, f"{p}.kl_coef", "must be >= 0")
-        check(self.vf_coef > 0, f"{p}.vf_coef", "must be > 0")
-        check(self.cliprange_value > 0, f"{p}.cliprange_value", "must be > 0")
-        check(0 < self.critic_lr <= 1, f"{p}.critic_lr", f"must be in (0, 1], got {self.critic_lr}")
-        check(self.num_ppo_epochs >= 1, f"{p}.num_ppo_epochs", "must be >= 1")
-        check(self.num_mini_batches >= 1, f"{p}.num_mini_batches", "must be >= 1")
-        check(self.critic_init is None or bool(self.critic_init), f"{p}.critic_init", "must be non-empty or null")
-        check(self.critic_warmup_steps >= 0, f"{p}.critic_warmup_steps", "must be >= 0")
 
 
 MAX_LR = 1.0

@@ -24,6 +24,8 @@ import inspect
 import math
 from typing import Any, Callable, NamedTuple
 
+from fastgrpo.config import EnvConfig
+from fastgrpo.config.loader import check, section_check
 from fastgrpo.runtime import plugins
 from fastgrpo.runtime.errors import PluginError, RunError
 
@@ -193,6 +195,18 @@ def check_kwargs(cls: type, kwargs: dict[str, Any]) -> None:
 ENVIRONMENTS: dict[str, Callable[..., EnvironmentFactory]] = {}
 """Environment name (the choices of rollout.env.name besides plugin files) -> ``builder(cfg: EnvConfig)`` returning
 an :class:`EnvironmentFactory`."""
+
+
+@section_check(EnvConfig)
+def check_env_kwargs(env: EnvConfig, p: str) -> None:
+    """``rollout.env.kwargs`` go to an environment's constructor: where there is none to take them (no environment,
+    or the tools environment, set by its own keys) they would be ignored, so they are an error."""
+    check(isinstance(env.kwargs, dict), f"{p}.kwargs", f"must be a mapping, got {env.kwargs!r}")
+    check(not env.kwargs or env.name not in ("none", "tools"), f"{p}.kwargs",
+          f"{sorted(env.kwargs)} would be ignored: " + ("the tools environment is set by rollout.env.tools, "
+                                                       "timeout_s, num_workers and max_output_chars"
+                                                       if env.name == "tools" else
+                                                       f"no environment is set ({p}.name=none)"))
 
 
 def register_environment(name: str) -> Callable:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable
 
+from fastgrpo.config import EnvConfig
+from fastgrpo.config.loader import check, section_check
 from fastgrpo.environments.base import ENVIRONMENTS, Environment, EnvironmentFactory
 from fastgrpo.runtime import plugins
 from fastgrpo.runtime.sandbox import CallFailure, WorkerPool
@@ -283,3 +285,14 @@ class ToolEnvironment(Environment):
 
 
 ENVIRONMENTS["tools"] = ToolsFactory
+
+
+@section_check(EnvConfig)
+def check_tools_settings(env: EnvConfig, p: str) -> None:
+    """The tool pool's settings, and tools only with the tools environment (which needs at least one)."""
+    check(env.timeout_s > 0, f"{p}.timeout_s", f"must be > 0, got {env.timeout_s}")
+    check(env.num_workers >= 1, f"{p}.num_workers", f"must be >= 1, got {env.num_workers}")
+    check(env.max_output_chars >= 16, f"{p}.max_output_chars", f"must be >= 16, got {env.max_output_chars}")
+    check(env.name != "tools" or bool(env.tools), f"{p}.tools", "the 'tools' environment needs at least one tool")
+    check(not env.tools or env.name == "tools", f"{p}.tools",
+          f"tools are called by the 'tools' environment only; set {p}.name=tools")

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastgrpo.config import HFRolloutConfig, check_section
+from fastgrpo.config.loader import check, section_check
 from fastgrpo.models.attention import decoding_attn_implementation
 from fastgrpo.models.policy_state import is_lora
 from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
@@ -216,6 +217,11 @@ def _decoding_attention(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_attn_implementation(impl)
+
+
+@section_check(HFRolloutConfig)
+def check_hf_options(opt: HFRolloutConfig, p: str) -> None:
+    check(opt.batch_size >= 1, f"{p}.batch_size", f"must be >= 1, got {opt.batch_size}")
 
 
 @register_engine("hf")

@@ -41,7 +41,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from fastgrpo.config import VLLMRolloutConfig, check_section
+from fastgrpo.config import RolloutConfig, TrainConfig, VLLMRolloutConfig, check_section
+from fastgrpo.config.loader import check, section_check
 from fastgrpo.models.policy_state import clean_param_name, is_lora, iter_full_tensors
 from fastgrpo.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingParams, register_engine
 from fastgrpo.rollout.vllm_support import (WEIGHT_LOADERS, check_vllm_available, head_dim_of, import_vllm,
@@ -55,6 +56,32 @@ log = logging.getLogger(__name__)
 _GIB = 1 << 30
 
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
+
+
+@section_check(VLLMRolloutConfig)
+def check_vllm_options(opt: VLLMRolloutConfig, p: str) -> None:
+    check(0 < opt.gpu_memory_utilization < 1, f"{p}.gpu_memory_utilization",
+          f"must be in (0, 1), got {opt.gpu_memory_utilization}")
+    check(opt.max_model_len is None or opt.max_model_len >= 2, f"{p}.max_model_len",
+          f"must be >= 2 or null, got {opt.max_model_len}")
+    check(opt.sync_bucket_mb >= 1, f"{p}.sync_bucket_mb", f"must be >= 1, got {opt.sync_bucket_mb}")
+
+
+@section_check(RolloutConfig)
+def check_vllm_context(r: RolloutConfig, p: str) -> None:
+    """With the vllm engine, the context holds the prompt and the completion."""
+    check(r.engine != "vllm" or r.vllm.max_model_len is None or r.max_completion_length < r.vllm.max_model_len,
+          f"{p}.max_completion_length",
+          f"{r.max_completion_length} leaves no room for a prompt in {p}.vllm.max_model_len={r.vllm.max_model_len} "
+          f"(the engine's context holds the prompt and the completion): raise {p}.vllm.max_model_len or leave it null")
+
+
+@section_check(TrainConfig)
+def check_vllm_lora_sync(cfg: TrainConfig, p: str) -> None:
+    """lora_sync 'adapter' sends the adapters only: modules trained in full beside them would never reach vLLM."""
+    check(not (cfg.model.lora.modules_to_save and cfg.rollout.engine == "vllm"
+               and cfg.rollout.vllm.lora_sync == "adapter"), "rollout.vllm.lora_sync",
+          "'adapter' sends the LoRA matrices only, not model.lora.modules_to_save: use 'merged'")
 
 
 @register_engine("vllm")
