@@ -1,10 +1,17 @@
-"""Does a real pretrained model learn on a laptop CPU? configs/smollm2.yaml over seeds and a sign-flipped control.
+"""Does a real pretrained model learn on a laptop CPU? A GRPO config over seeds and a sign-flipped control.
 
     python benchmarks/bench_real_model.py                          # 3 seeds + the control, side by side, 1 thread each
     python benchmarks/bench_real_model.py --seeds 0 --no-control max_steps=5   # a quick look
     python benchmarks/bench_real_model.py --report-only --out DIR  # the table of runs already in DIR
+    python benchmarks/bench_real_model.py --config configs/smollm2-countdown.yaml \
+        --sft configs/smollm2-countdown-sft.yaml --out benchmarks/out/countdown   # SFT once, then GRPO from it
 
-Each run is ``python -m fastgrpo.train --config configs/smollm2.yaml seed=<s>`` plus any extra ``key=value``
+``--config`` is the GRPO config (default configs/smollm2.yaml). With ``--sft CONFIG`` a supervised warm start runs
+first (``python -m fastgrpo.sft --config CONFIG``, alone, with every thread of ``--parallel x --threads``; kept and
+reused when OUT/sft/final already exists), and every GRPO run starts from its export (``model.name_or_path=
+OUT/sft/final``): the accuracy before the first GRPO step is then the SFT start's, so the table's change is GRPO's own.
+
+Each run is ``python -m fastgrpo.train --config <config> seed=<s>`` plus any extra ``key=value``
 overrides, in its own process under --out; the control is seed 0 with the reward negated (``rewards.weights=[-1.0]``),
 which flips the sign of every group advantage exactly: if accuracy rose there too, the gain would come from exposure
 to the task, not from the policy gradient. The runs go side by side (``--parallel`` at a time, each with
@@ -35,24 +42,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks.harness, also when run as a script
 
-from fastgrpo.config import ConfigError, load_config  # noqa: E402
+from fastgrpo.config import ConfigError, SFTConfig, load_config  # noqa: E402
 from benchmarks.harness import Children, benchmark_main, check_at_least, check_out_dir, check_run_configs  # noqa: E402
 
 PROG = "bench_real_model.py"
 CONFIG = ROOT / "configs" / "smollm2.yaml"
 
 
-def negated_weights(extra: list[str] = ()) -> str:
+def negated_weights(extra: list[str] = (), config: Path = CONFIG) -> str:
     """The control's ``rewards.weights`` override: every reward function of the config, negated."""
-    funcs = load_config(str(CONFIG), list(extra)).rewards.funcs
+    funcs = load_config(str(config), list(extra)).rewards.funcs
     return "rewards.weights=[" + ",".join("-1.0" for _ in funcs) + "]"
 
 
-def runs_of(seeds: list[int], control: bool, extra: list[str] = ()) -> dict[str, list[str]]:
+def runs_of(seeds: list[int], control: bool, extra: list[str] = (), config: Path = CONFIG) -> dict[str, list[str]]:
     """Run name -> its overrides."""
     out = {f"seed{s}": [f"seed={s}"] for s in seeds}
     if control:
-        out["control"] = [f"seed={seeds[0]}", negated_weights(extra)]
+        out["control"] = [f"seed={seeds[0]}", negated_weights(extra, config)]
     return out
 
 
@@ -61,7 +68,28 @@ def run_overrides(name: str, overrides: list[str], extra: list[str], out: Path) 
     return [f"output_dir={out}", f"name={name}", "log.progress=false", *overrides, *extra]
 
 
-def launch(runs: dict[str, list[str]], extra: list[str], *, out: Path, parallel: int, threads: int) -> dict[str, int]:
+def run_sft(config: Path, out: Path, threads: int) -> Path | None:
+    """The supervised warm start, run alone; returns its export folder (OUT/sft/final), reused when it exists, or
+    None (the failure printed, naming its log) when it failed."""
+    final = out / "sft" / "final"
+    if (final / "config.json").is_file():
+        print(f"[sft] reusing {final}", file=sys.stderr, flush=True)
+        return final
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cmd = [sys.executable, "-m", "fastgrpo.sft", "--config", str(config), f"output_dir={out}", "name=sft",
+           "log.progress=false"]
+    print(f"[sft] started: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    with Children() as children, (out / "sft.log").open("w") as log:
+        rc = children.start(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).wait()
+    if rc != 0 or not (final / "config.json").is_file():
+        print(f"{PROG}: error: the SFT warm start failed (exit {rc}); {out / 'sft.log'}: "
+              f"{_last_line(out / 'sft.log')}", file=sys.stderr)
+        return None
+    return final
+
+
+def launch(runs: dict[str, list[str]], extra: list[str], *, out: Path, parallel: int, threads: int,
+           config: Path = CONFIG) -> dict[str, int]:
     """Run every run to its end, ``parallel`` at a time; each writes OUT/<name>/ and OUT/<name>.log. Returns each
     run's exit status. On SIGTERM (:class:`benchmarks.harness.Terminated`) the running ones are stopped first."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
@@ -71,7 +99,7 @@ def launch(runs: dict[str, list[str]], extra: list[str], *, out: Path, parallel:
             while pending and len(live) < parallel:
                 name, overrides = pending.pop(0)
                 log = (out / f"{name}.log").open("w")
-                cmd = [sys.executable, "-m", "fastgrpo.train", "--config", str(CONFIG),
+                cmd = [sys.executable, "-m", "fastgrpo.train", "--config", str(config),
                        *run_overrides(name, overrides, extra, out)]
                 live.append((name, children.start(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
                 print(f"[{name}] started (pid {live[-1][1].pid}): {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
@@ -155,12 +183,18 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
     ap.add_argument("--report-only", action="store_true", help="only read the runs already under --out")
     ap.add_argument("--out", default="benchmarks/out/real_model")
-    ap.add_argument("overrides", nargs="*", help="extra key=value overrides of configs/smollm2.yaml for every run")
+    ap.add_argument("--config", default=str(CONFIG), help="the GRPO config of every run")
+    ap.add_argument("--sft", default=None, help="an SFT config run once first; the GRPO runs start from its export")
+    ap.add_argument("overrides", nargs="*", help="extra key=value overrides of the GRPO config for every run")
     args = ap.parse_args(argv)
     check_at_least(args.parallel, 1, "--parallel")
     check_at_least(args.threads, 1, "--threads")
     out = Path(args.out).resolve()
-    runs = runs_of(args.seeds, not args.no_control, args.overrides)
+    config = Path(args.config).resolve()
+    sft_config = Path(args.sft).resolve() if args.sft else None
+    if sft_config is not None:  # the GRPO runs start from the SFT's export
+        args.overrides = [f"model.name_or_path={out / 'sft' / 'final'}", *args.overrides]
+    runs = runs_of(args.seeds, not args.no_control, args.overrides, config)
     started = time.perf_counter()
     failed: dict[str, int] = {}
     if args.report_only:
@@ -170,9 +204,13 @@ def _main(argv: list[str] | None) -> int:
                               "run without --report-only first, or give the folder they were written to")
     else:
         check_out_dir(out)
-        check_run_configs(CONFIG, {n: run_overrides(n, o, args.overrides, out) for n, o in runs.items()})
+        if sft_config is not None:
+            check_run_configs(sft_config, {"sft": [f"output_dir={out}", "name=sft"]}, cls=SFTConfig)
+        check_run_configs(config, {n: run_overrides(n, o, args.overrides, out) for n, o in runs.items()})
         out.mkdir(parents=True, exist_ok=True)
-        status = launch(runs, args.overrides, out=out, parallel=args.parallel, threads=args.threads)
+        if sft_config is not None and run_sft(sft_config, out, args.parallel * args.threads) is None:
+            return 1
+        status = launch(runs, args.overrides, out=out, parallel=args.parallel, threads=args.threads, config=config)
         failed = {name: rc for name, rc in status.items() if rc != 0}
     results = {name: summarize(out / name) for name in runs
                if name not in failed and (out / name / "metrics.jsonl").is_file()}

@@ -78,3 +78,21 @@ def test_the_control_negates_every_reward_function_of_the_config():
     control = dict(bench_real_model.runs_of([3], True))["control"]
     assert control == ["seed=3", "rewards.weights=[" + ",".join(["-1.0"] * len(funcs)) + "]"]
     load_config(str(bench_real_model.CONFIG), control)  # a weight per function: the config accepts it
+
+
+def test_the_countdown_recipe_negates_its_own_config_and_checks_the_sft_config_first(tmp_path, capsys):
+    from benchmarks import bench_real_model
+    from fastgrpo.config import load_config
+
+    config = bench_real_model.ROOT / "configs" / "smollm2-countdown.yaml"
+    funcs = load_config(str(config), []).rewards.funcs
+    control = dict(bench_real_model.runs_of([0], True, config=config))["control"]
+    assert control[1] == "rewards.weights=[" + ",".join(["-1.0"] * len(funcs)) + "]"
+    assert funcs != load_config(str(bench_real_model.CONFIG), []).rewards.funcs  # the recipe's own, not smollm2.yaml's
+    # a bad SFT config is one line naming the SFT run, before any run starts (nothing is written under --out)
+    bad = tmp_path / "sft.yaml"
+    bad.write_text(config.with_name("smollm2-countdown-sft.yaml").read_text().replace("batch_size: 16", "batch_size: 0"))
+    rc = bench_real_model.main(["--config", str(config), "--sft", str(bad), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "run 'sft'" in err and "sft.batch_size" in err and not (tmp_path / "out").exists()
