@@ -301,10 +301,11 @@ def test_update_only_gradients_agree_with_trls_and_pairs_are_timed(tmp_path):
     assert report["parity"]["max_rel_diff"] < 0.1  # bf16 against TRL's float32
 
 
-def test_the_gpu_trl_update_and_head_script_refuses_a_machine_without_cuda(tmp_path):
-    """benchmarks/gpu_trl_update_and_head.sh parses (bash -n) and, with no CUDA device and no SMOKE=1, stops at once
-    with exit 2 and says why (its steps are the update-only and kernel runs tested above, at tiny shapes with
-    SMOKE=1)."""
+@pytest.mark.parametrize("name, writes_nothing", [("gpu_trl_update_and_head.sh", False), ("run_gpu.sh", True)])
+def test_the_gpu_scripts_refuse_a_machine_without_cuda_unless_smoke(tmp_path, name, writes_nothing):
+    """benchmarks/gpu_trl_update_and_head.sh and run_gpu.sh (make bench-gpu) parse (bash -n) and, with no CUDA device
+    and no SMOKE=1, stop at once with exit 2 and say why; run_gpu.sh writes nothing (the other opens its log first; SMOKE=1 runs their steps at tiny shapes on a
+    CPU: the update-only and kernel runs tested above; run_gpu.sh's whole smoke run takes minutes and is not a test)."""
     import os
     import subprocess
     import sys
@@ -312,30 +313,12 @@ def test_the_gpu_trl_update_and_head_script_refuses_a_machine_without_cuda(tmp_p
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_trl_update_and_head.sh"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / name
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, SMOKE="0")
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "no CUDA device visible" in proc.stderr + proc.stdout
-
-
-def test_run_gpu_refuses_a_machine_without_cuda_unless_smoke(tmp_path):
-    """benchmarks/run_gpu.sh (make bench-gpu) parses (bash -n) and, with no CUDA device and no SMOKE=1, stops at once
-    with exit 2 and says why (SMOKE=1 runs its steps at tiny shapes on a CPU, minutes: not a test)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is visible")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu.sh"
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, SMOKE="0")
-    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "no CUDA device visible" in proc.stderr
-    assert not any(tmp_path.iterdir())  # nothing written
+    assert proc.returncode == 2 and "no CUDA device visible" in proc.stderr + proc.stdout
+    assert not (writes_nothing and any(tmp_path.iterdir()))
 
 
 def test_the_unshared_side_gets_its_own_column_and_sharings_ratio():
