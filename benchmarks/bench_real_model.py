@@ -68,6 +68,11 @@ def run_overrides(name: str, overrides: list[str], extra: list[str], out: Path) 
     return [f"output_dir={out}", f"name={name}", "log.progress=false", *overrides, *extra]
 
 
+def thread_env(threads: int) -> dict[str, str]:
+    """This process's environment with ``threads`` torch (OpenMP, MKL) threads for a child run."""
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+
+
 def run_sft(config: Path, out: Path, threads: int) -> Path | None:
     """The supervised warm start, run alone; returns its export folder (OUT/sft/final), reused when it exists, or
     None (the failure printed, naming its log) when it failed."""
@@ -75,7 +80,7 @@ def run_sft(config: Path, out: Path, threads: int) -> Path | None:
     if (final / "config.json").is_file():
         print(f"[sft] reusing {final}", file=sys.stderr, flush=True)
         return final
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env = thread_env(threads)
     cmd = [sys.executable, "-m", "fastgrpo.sft", "--config", str(config), f"output_dir={out}", "name=sft",
            "log.progress=false"]
     print(f"[sft] started: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
@@ -92,7 +97,7 @@ def launch(runs: dict[str, list[str]], extra: list[str], *, out: Path, parallel:
            config: Path = CONFIG) -> dict[str, int]:
     """Run every run to its end, ``parallel`` at a time; each writes OUT/<name>/ and OUT/<name>.log. Returns each
     run's exit status. On SIGTERM (:class:`benchmarks.harness.Terminated`) the running ones are stopped first."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env = thread_env(threads)
     pending, live, status = list(runs.items()), [], {}
     with Children() as children:
         while pending or live:
