@@ -51,7 +51,7 @@ sys.path.insert(0, str(HERE.parents[1]))  # run as a script from a checkout
 
 from benchmarks.peer_work import (  # noqa: E402
     SHAPES, WORKS, Work, build_model_folder, check_no_eos, fastgrpo_config, few_shot_system_prompt, make_spec,
-    spread_reward, trl_config, write_prompts,
+    spread_reward, trl_config, trl_lora_config, write_prompts,
 )
 from benchmarks.profile_phases import phase_seconds, phase_table  # noqa: E402
 from fastgrpo.runtime.peaks import device_peak_flops  # noqa: E402
@@ -161,7 +161,13 @@ def run_trl_child(spec: dict) -> None:
             steps_file.flush()
 
     funcs = [REWARDS[name] for name in spec["shared"]["rewards"]] + [spread_reward]
+    lora = trl_lora_config(spec)
+    if lora:
+        from peft import LoraConfig
+
+        lora = LoraConfig(**lora)
     trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=funcs, args=GRPOConfig(**trl_config(spec)),
+                          peft_config=lora,
                           train_dataset=datasets.load_dataset("json", data_files=spec["prompts_file"], split="train"),
                           processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]))
     timer = StepTimer(trainer)
@@ -528,6 +534,9 @@ def parse_args(argv):
     ap.add_argument("--fastgrpo-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a dotted override of fastgrpo's config, repeatable (e.g. parallel.cuda_graphs=true): its "
                          "full runs and its --update-only side (parallel.* and grpo.max_tokens_per_microbatch there)")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="LoRA adapters of this rank (alpha 2 x rank, every linear layer but lm_head) on every side "
+                         "instead of full fine-tuning (TRL: peft_config; needs peft); works are named WORK+loraRANK")
     ap.add_argument("--no-unshared", action="store_true",
                     help=f"skip the third side, {UNSHARED} (fastgrpo with grpo.shared_prefix=false)")
     ap.add_argument("--profile", action="store_true",
@@ -551,6 +560,8 @@ def parse_args(argv):
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.lora < 0:
+        ap.error(f"--lora: must be >= 0 (0 = full fine-tuning), got {args.lora}")
     unknown = [n for n in args.works.split(",") if n and n not in WORKS]
     if unknown and not args.child:
         ap.error(f"--works: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(WORKS)}")
@@ -578,6 +589,8 @@ def prepare(work: Work, args, root: Path, device: str) -> dict:
         spec["shared"] = {**spec["shared"], "system_prompt": system}
     if getattr(args, "fastgrpo_attn", None):
         spec["fastgrpo_attn"] = args.fastgrpo_attn
+    if getattr(args, "lora", 0):
+        spec["lora_rank"] = args.lora
     if getattr(args, "fastgrpo_set", None):
         spec["fastgrpo_set"] = list(args.fastgrpo_set)
     # the device's peak for the MFU rows (None off CUDA or for a GPU the table does not know: those rows say n/a)
@@ -626,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    works = {n: WORKS[n] for n in args.works.split(",") if n}
+    tag = f"+lora{args.lora}" if args.lora else ""
+    works = {n + tag: WORKS[n] for n in args.works.split(",") if n}
     if args.model_path:
         works["local"] = Work(model=args.model_path, prompts_per_step=2, max_completion_length=128)
     specs, configs = {}, {}
@@ -634,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         specs[name] = spec = prepare(work, args, root, device)
         print(f"[{name}] model {spec['model_dir']}, P={spec['prompt_len']}, max EOS probability "
               f"{spec['max_eos_probability']:.1e}", file=sys.stderr)
-        configs[name] = {"fastgrpo": fastgrpo_config(spec), "trl": trl_config(spec)}
+        configs[name] = {"fastgrpo": fastgrpo_config(spec), "trl": trl_config(spec), "trl_lora": trl_lora_config(spec)}
     if args.profile:
         for name, spec in specs.items():
             for side in CHILDREN:

@@ -151,11 +151,14 @@ def _fastgrpo_tree(spec: dict) -> dict:
                "hf": {"batch_size": S}}  # one generate call, as TRL
     if spec["engine"] == "vllm":
         rollout["vllm"] = {"enforce_eager": not cuda, "sleep_level": 1 if cuda else 0, "gpu_memory_utilization": 0.3}
+    model = {"name_or_path": spec["model_dir"], "dtype": "auto" if cuda else "float32",
+             "attn_implementation": spec.get("fastgrpo_attn") or FASTGRPO_ATTN.get(s["attn"], s["attn"])}
+    if spec.get("lora_rank"):
+        model["lora"] = {"rank": spec["lora_rank"], "alpha": float(2 * spec["lora_rank"])}
     return {
         "name": "fastgrpo", "output_dir": spec["run_dir"], "max_steps": spec["warmup"] + spec["steps"],
         "seed": spec["seed"], "device": spec["device"],
-        "model": {"name_or_path": spec["model_dir"], "dtype": "auto" if cuda else "float32",
-                  "attn_implementation": spec.get("fastgrpo_attn") or FASTGRPO_ATTN.get(s["attn"], s["attn"])},
+        "model": model,
         "data": {"source": spec["prompts_file"], "template": s["template"], "system_prompt": s["system_prompt"],
                  "num_eval": 1},
         "rewards": {"funcs": [*s["rewards"], f"{HERE}:spread_reward"], **_in_process_rewards()},
@@ -208,10 +211,24 @@ def trl_config(spec: dict) -> dict:
     return kwargs
 
 
+def trl_lora_config(spec: dict) -> dict | None:
+    """Keyword arguments of ``peft.LoraConfig`` for TRL's ``peft_config`` when the spec asks for LoRA
+    (``lora_rank``), else None: fastgrpo's ``model.lora`` defaults (alpha 2r, no dropout, every linear layer but
+    lm_head)."""
+    rank = spec.get("lora_rank") or 0
+    if not rank:
+        return None
+    return dict(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
 def settings_of_fastgrpo(tree: dict) -> dict:
     """The GRPO settings a fastgrpo config tree encodes, under common names (for the equality test)."""
     g, r, o = tree["grpo"], tree["rollout"], tree["optim"]
-    return dict(generations=g["num_generations"], sequences_per_step=g["prompts_per_step"] * g["num_generations"],
+    lora = tree["model"].get("lora") or {}
+    return dict(lora=(lora.get("rank", 0), lora.get("alpha") or 2 * lora.get("rank", 0), lora.get("dropout", 0.0),
+                      "all-linear" if lora.get("target_modules", ["all-linear"]) == ["all-linear"]
+                      else tuple(lora["target_modules"])) if lora.get("rank") else None,
+                generations=g["num_generations"], sequences_per_step=g["prompts_per_step"] * g["num_generations"],
                 max_completion_length=r["max_completion_length"], temperature=r["temperature"], top_p=r["top_p"],
                 beta=g["beta"], loss_type=g["loss_type"], scale_rewards=g["scale_rewards"],
                 epsilon=(g["epsilon_low"], g["epsilon_high"]), num_iterations=g["num_iterations"], lr=o["lr"],
@@ -222,10 +239,12 @@ def settings_of_fastgrpo(tree: dict) -> dict:
                 steps=tree["max_steps"], vllm=r["engine"] == "vllm")
 
 
-def settings_of_trl(kw: dict) -> dict:
-    """The same settings from GRPOConfig keyword arguments (or a GRPOConfig's attributes)."""
+def settings_of_trl(kw: dict, peft: dict | None = None) -> dict:
+    """The same settings from GRPOConfig keyword arguments (or a GRPOConfig's attributes) and the ``peft_config``
+    keyword arguments (``trl_lora_config``; None: full fine-tuning)."""
     eps_high = kw.get("epsilon_high") if kw.get("epsilon_high") is not None else kw["epsilon"]
-    return dict(generations=kw["num_generations"],
+    return dict(lora=(peft["r"], peft["lora_alpha"], peft["lora_dropout"], peft["target_modules"]) if peft else None,
+                generations=kw["num_generations"],
                 sequences_per_step=kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"],
                 max_completion_length=kw["max_completion_length"], temperature=kw["temperature"],
                 top_p=kw["top_p"], beta=kw["beta"], loss_type=kw["loss_type"], scale_rewards=kw["scale_rewards"],

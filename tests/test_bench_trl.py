@@ -64,6 +64,26 @@ def test_trl_reads_the_same_settings(name, tmp_path):
     assert args.gradient_checkpointing is False and args.steps_per_generation == args.gradient_accumulation_steps
 
 
+def test_lora_asks_both_sides_for_the_same_adapters(tmp_path):
+    """--lora R: fastgrpo's model.lora and TRL's peft_config name the same rank, scale, dropout and layers; without
+    it both sides train every weight."""
+    spec = _spec("smollm2", "hf", tmp_path) | {"lora_rank": 16}
+    path = tmp_path / "fastgrpo.yaml"
+    path.write_text(yaml.safe_dump(peer_work.fastgrpo_config(spec)))
+    cfg = load_config(path)
+    assert cfg.model.lora.rank == 16 and cfg.model.lora.alpha == 32
+    ours = peer_work.settings_of_fastgrpo(to_dict(cfg))
+    assert ours == peer_work.settings_of_trl(peer_work.trl_config(spec), peer_work.trl_lora_config(spec))
+    assert ours["lora"] == (16, 32, 0.0, "all-linear")
+    full = _spec("smollm2", "hf", tmp_path)
+    assert peer_work.trl_lora_config(full) is None
+    assert peer_work.settings_of_fastgrpo(peer_work.fastgrpo_config(full))["lora"] is None
+    assert ours != peer_work.settings_of_trl(peer_work.trl_config(full))  # a one-sided LoRA would not pass
+    peft = pytest.importorskip("peft")
+    read = peft.LoraConfig(**peer_work.trl_lora_config(spec))
+    assert (read.r, read.lora_alpha, read.lora_dropout, read.target_modules) == (16, 32, 0.0, "all-linear")
+
+
 def test_suppress_eos_makes_eos_unreachable_at_unchanged_shapes(tmp_path):
     from transformers import AutoModelForCausalLM
 
