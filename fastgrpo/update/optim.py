@@ -8,7 +8,7 @@ transformers' default, fused AdamW). On a CPU 'auto' keeps foreach: the fused CP
 stopped the LoRA toy task from learning (tests/test_lora.py).
 
 A foreach step builds temporaries as large as the parameters it steps at once (``sqrt`` of the second moments:
-one float32 copy of every weight, the step's memory peak on a CPU). :class:`ChunkedAdamW` steps the parameters in
+one float32 copy of every weight, on top of the weights, gradients and moments). :class:`ChunkedAdamW` steps the parameters in
 chunks of at most :data:`FOREACH_CHUNK_BYTES`, so that copy is one chunk's; its results are bitwise torch's (every
 foreach op is elementwise per tensor), and its param groups and state dict are torch's, as checkpoints read them.
 """
@@ -28,7 +28,7 @@ __all__ = ["ChunkedAdamW", "FOREACH_CHUNK_BYTES", "adamw_implementation", "build
 
 FOREACH_CHUNK_BYTES = 64 * 2**20
 """Parameter bytes per foreach AdamW call: large enough that a step is a few dozen calls at 0.5B parameters, small
-enough that its temporaries are ~0.1 GB (one step of SmolLM2-135M on the CPU: 0.5 GB less peak memory)."""
+enough that its temporaries are ~0.1 GB (AdamW alone over SmolLM2-135M's shapes on a CPU: peak RSS 2.96 -> 2.47 GB)."""
 
 
 class ChunkedAdamW(torch.optim.AdamW):
