@@ -124,7 +124,7 @@ def instrument(sampler: PhaseSampler) -> None:
         sampler.step += 1
         return step_fn(self)
     T.train_step = train_step
-    update.linear_grpo_loss = sampler.wrap(update.linear_grpo_loss, "head (forward)")
+    update.fused_grpo_loss = sampler.wrap(update.fused_grpo_loss, "head (forward)")
     torch.Tensor.backward = sampler.wrap(torch.Tensor.backward, "backward")
     torch.nn.utils.clip_grad_norm_ = sampler.wrap(torch.nn.utils.clip_grad_norm_, "grad clip")
     loop.TrainingLoop._save = sampler.wrap(loop.TrainingLoop._save, "checkpoint save")
