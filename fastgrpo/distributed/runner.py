@@ -9,12 +9,15 @@ export or a user takes it as is. What a packed pass needs on top lives in a :cla
   pass only: the compiled blocks (``parallel.compile``) or the blocks' CUDA graphs
   (:class:`fastgrpo.update.cuda_graphs.BlockGraphs`). Outside a packed pass (decoding in the rollout, an export)
   the blocks run their plain forward, so decoding never meets a graph guarded on the update's shapes;
+- ``lean_forwards``: forwards of the RMSNorms and SwiGLU MLPs that keep only their inputs for backward
+  (:mod:`fastgrpo.models.lean_activations`, ``parallel.lean_activations``), installed, like the block forwards,
+  for the duration of a packed pass only;
 - ``head_graphs``: the head loss replayed from CUDA graphs (:class:`fastgrpo.update.cuda_graphs.HeadGraphs`);
 - ``gradient_buffers``: the ``.grad`` buffers a graphed backward adds into
   (:class:`fastgrpo.update.cuda_graphs.GradientBuffers`).
 
-:func:`prepare_model` builds it in a fixed order: master weights (cast), activation checkpointing, the varlen
-attention switch, compile, FSDP2 (``fastgrpo.distributed.parallelize``); ``fastgrpo.update.bundle.build_trained``
+:func:`prepare_model` builds it in a fixed order: master weights (cast), the lean forwards (probed on the
+unsharded modules), activation checkpointing, the varlen attention switch, compile, FSDP2 (``fastgrpo.distributed.parallelize``); ``fastgrpo.update.bundle.build_trained``
 adds the CUDA graphs and gradient buffers of a trained model. LoRA is applied at load, before all of these.
 
 Under FSDP2 the loss runs on the lm_head weight outside ``module.forward``, so :meth:`ModelRunner.packed_forward`
@@ -37,6 +40,7 @@ from fastgrpo.config import ParallelConfig
 from fastgrpo.distributed.parallelize import (autocast_dtype, compiled_block_forwards, parallelize_model,
                                               transformer_blocks)
 from fastgrpo.models.attention import packed_inputs_for
+from fastgrpo.models.lean_activations import lean_forwards
 from fastgrpo.models.loading import get_trunk_and_head, packed_head_forward
 from fastgrpo.models.lora import adapters_disabled, is_lora
 from fastgrpo.models.packing import AUTO_BUCKETS, MicroBatch
@@ -84,6 +88,8 @@ class ModelRunner:
     """Persistent ``.grad`` buffers installed before each update's backward passes, or None."""
     blocks: list[nn.Module] = field(default_factory=list)
     """The decoder blocks ``block_forwards`` stand in for (as the module holds them: wrapped, sharded)."""
+    lean_forwards: list[tuple[nn.Module, Callable]] = field(default_factory=list)
+    """``(module, forward)``: RMSNorm and MLP forwards that save less for backward, during packed passes."""
     attention_inputs: Callable[[MicroBatch], dict[str, Any]] | None = None
     """A packed row's boundary kwargs for the module's attention backend, resolved once (at construction)."""
 
@@ -111,17 +117,23 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _block_forwards(self) -> Iterator[None]:
-        """The blocks run ``block_forwards`` inside, their own forward again on exit (nothing stays on a module)."""
-        if not self.block_forwards:
+        """The blocks run ``block_forwards``, and the lean modules their lean forwards, inside; their own forwards
+        again on exit (nothing stays on a module)."""
+        swaps = list(zip(self.blocks, self.block_forwards or ())) + list(self.lean_forwards)
+        if not swaps:
             yield
             return
-        for block, forward in zip(self.blocks, self.block_forwards):
-            block.forward = forward  # an instance attribute, read by nn.Module.__call__ before the class's forward
+        before = [vars(module).get("forward") for module, _ in swaps]  # a forward some library set on the instance
+        for module, forward in swaps:
+            module.forward = forward  # an instance attribute, read by nn.Module.__call__ before the class's forward
         try:
             yield
         finally:
-            for block in self.blocks:
-                vars(block).pop("forward", None)
+            for (module, _), prior in zip(swaps, before):
+                if prior is None:
+                    vars(module).pop("forward", None)
+                else:
+                    module.forward = prior
 
     def train(self, mode: bool = True) -> "ModelRunner":
         self.module.train(mode)
@@ -158,6 +170,10 @@ def prepare_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.device
     Compile after FSDP2 is the same program as before it: the compiled function is the block's forward, which
     FSDP2's hooks (on the block's call) surround either way, so collectives stay outside the compiled region."""
     device = torch.device(device)
+    # before sharding (the probes run the modules' own forwards); compiled blocks recompute pointwise ops themselves,
+    # and activation checkpointing keeps no activations and must recompute the very forward it checkpointed
+    lean = lean_forwards(model) if cfg.lean_activations and not (
+        cfg.compile or cfg.cuda_graphs or cfg.activation_checkpointing) else []
     module = parallelize_model(model, cfg, device=device, world_size=world_size)
     blocks = list(transformer_blocks(module))
     forwards = compiled_block_forwards(blocks, mode="reduce-overhead" if cfg.cuda_graphs else None) \
@@ -170,4 +186,5 @@ def prepare_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.device
         autocast_dtype=None if cfg.master_weights else autocast_dtype(cfg, device, world_size),
         block_forwards=forwards,
         blocks=blocks,
+        lean_forwards=lean,
     )
