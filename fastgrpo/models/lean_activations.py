@@ -71,16 +71,16 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        x32 = x.to(torch.float32)
-        n32 = x32 * rstd
-        normed = n32.to(x.dtype)
+        n32 = x.to(torch.float32) * rstd
         grad_x = grad_w = None
         if ctx.needs_input_grad[1]:
+            normed = n32.to(x.dtype)
             grad_w = _sum_to(grad_out * normed, weight.shape).to(weight.dtype)
         if ctx.needs_input_grad[0]:
             # the gradient reaching the normalised x, rounded to its dtype as autograd's cast would
             g_n = (grad_out * weight).to(x.dtype).to(torch.float32)
-            grad_x = (rstd * (g_n - n32 * (g_n * n32).mean(-1, keepdim=True))).to(x.dtype)
+            dot = (g_n * n32).mean(-1, keepdim=True)
+            grad_x = torch.addcmul(g_n, n32, dot, value=-1).mul_(rstd).to(x.dtype)
         return grad_x, grad_w, None
 
 
@@ -107,23 +107,24 @@ class SwiGLUFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         saved = ctx.saved_tensors
         gate, up = saved[0], saved[1]
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
+        silu = F.silu(gate)
         grad_w = grad_b = None
         if ctx.has_down:
             w = saved[2]
             if ctx.dtype is not None:
                 grad_out = grad_out.to(ctx.dtype)
-            h = silu * up
+            flat = grad_out.reshape(-1, grad_out.shape[-1])
             if ctx.needs_input_grad[2]:
-                grad_w = grad_out.reshape(-1, grad_out.shape[-1]).T.mm(h.reshape(-1, h.shape[-1])).to(ctx.weight_dtype)
+                h = silu * up
+                grad_w = flat.T.mm(h.reshape(-1, h.shape[-1])).to(ctx.weight_dtype)
             if ctx.needs_input_grad[3]:
-                grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0).to(ctx.bias_dtype)
+                grad_b = flat.sum(0).to(ctx.bias_dtype)
             grad_h = grad_out.matmul(w)
         else:
             grad_h = grad_out
         grad_up = grad_h * silu if ctx.needs_input_grad[1] else None
-        grad_gate = grad_h * up * (sig * (1 + gate * (1 - sig))) if ctx.needs_input_grad[0] else None
+        # silu'(gate) applied by aten's own SiLU backward kernel (one pass)
+        grad_gate = torch.ops.aten.silu_backward(grad_h * up, gate) if ctx.needs_input_grad[0] else None
         return grad_gate, grad_up, grad_w, grad_b
 
 
