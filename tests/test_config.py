@@ -7,7 +7,8 @@ from fastgrpo.config import ConfigError, describe, load_config
 
 
 def test_shipped_configs_load():
-    for name in ("tiny", "tiny-toy", "qwen2.5-1.5b-instruct-gsm8k", "qwen2.5-3b-instruct-countdown", "qwen2.5-3b-base-countdown"):
+    for name in ("tiny", "tiny-toy", "qwen2.5-1.5b-instruct-gsm8k", "qwen2.5-3b-instruct-countdown",
+                 "qwen2.5-3b-base-countdown", "qwen2.5-coder-0.5b-countdown", "smollm2", "smollm2-countdown"):
         cfg = load_config(f"configs/{name}.yaml")
         assert cfg.name
 

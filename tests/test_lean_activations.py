@@ -29,10 +29,10 @@ def _model(preset: str = "", lora: int = 0) -> nn.Module:
     return model.train()
 
 
-def _pass(model: nn.Module, lean: bool, *, autocast: torch.dtype | None = None):
+def _pass(model: nn.Module, lean: bool, *, autocast: torch.dtype | None = None, **parallel):
     """Log-probs, every trainable parameter's gradient and the bytes autograd saved, for one packed micro-batch
     with shared prefixes (groups of different prompt lengths) under a runner with or without lean forwards."""
-    runner = prepare_model(model, ParallelConfig(lean_activations=lean), device="cpu", world_size=1)
+    runner = prepare_model(model, ParallelConfig(lean_activations=lean, **parallel), device="cpu", world_size=1)
     assert bool(runner.lean_forwards) == lean
     prompts, completions = grouped_batch(3, groups=2, size=3, prompt=(5, 12), completion=(3, 8))
     (mb,) = plan_step(prompts, completions, 4096, device="cpu", shared_prefix=True).mbs
@@ -71,10 +71,15 @@ def test_the_same_logprobs_and_gradients_with_fewer_saved_bytes(preset, lora, mo
     assert lean < most * plain, (lean, plain)
 
 
-def test_under_bf16_autocast_the_forward_is_the_modules_own():
+@pytest.mark.parametrize("case", ["autocast", "master-weights"])
+def test_in_bf16_the_forward_is_the_modules_own(case):
+    """bf16 compute either way a run gets it: autocast over float32 weights (one GPU), or bf16 weights cast after the
+    lean forwards were probed in float32 (parallel.master_weights)."""
     model = _model()
-    logp, grads, _ = _pass(model, lean=False, autocast=torch.bfloat16)
-    logp_lean, grads_lean, _ = _pass(model, lean=True, autocast=torch.bfloat16)
+    kw = {"autocast": torch.bfloat16} if case == "autocast" else {"master_weights": True}
+    logp, grads, _ = _pass(model, lean=False, **kw)
+    logp_lean, grads_lean, _ = _pass(model, lean=True, **kw)
+    assert next(model.parameters()).dtype == (torch.float32 if case == "autocast" else torch.bfloat16)
     assert torch.equal(logp_lean, logp)
     for name, g in grads.items():
         assert grads_lean[name].dtype == g.dtype
@@ -164,3 +169,19 @@ def test_off_where_it_cannot_stand_in(setting):
     cfg = ParallelConfig(**{setting.split(".")[1]: setting.endswith("checkpointing")})
     runner = prepare_model(_model(), cfg, device="cpu", world_size=1)
     assert runner.lean_forwards == []
+
+
+def test_the_census_benchmark_reports_fewer_saved_bytes(capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import saved_activations
+
+    saved_activations.main(["--model", "tiny", "--reps", "2", "--groups", "2", "--generations", "3", "--prompt", "9",
+                            "--completion", "4"])
+    out = capsys.readouterr().out
+    total = next(line for line in out.splitlines() if line.startswith("| total |"))
+    autograd_mb, lean_mb = (float(x) for x in total.split("|")[2:4])
+    assert 0 < lean_mb < autograd_mb
+    assert "lean: forward" in out and "autograd: forward" in out

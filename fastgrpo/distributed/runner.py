@@ -16,9 +16,10 @@ export or a user takes it as is. What a packed pass needs on top lives in a :cla
 - ``gradient_buffers``: the ``.grad`` buffers a graphed backward adds into
   (:class:`fastgrpo.update.cuda_graphs.GradientBuffers`).
 
-:func:`prepare_model` builds it in a fixed order: master weights (cast), the lean forwards (probed on the
-unsharded modules), activation checkpointing, the varlen attention switch, compile, FSDP2 (``fastgrpo.distributed.parallelize``); ``fastgrpo.update.bundle.build_trained``
-adds the CUDA graphs and gradient buffers of a trained model. LoRA is applied at load, before all of these.
+:func:`prepare_model` builds it in a fixed order: the lean forwards (probed on the unsharded modules), master
+weights (cast), activation checkpointing, the varlen attention switch, compile, FSDP2
+(``fastgrpo.distributed.parallelize``); ``fastgrpo.update.bundle.build_trained`` adds the CUDA graphs and gradient
+buffers of a trained model. LoRA is applied at load, before all of these.
 
 Under FSDP2 the loss runs on the lm_head weight outside ``module.forward``, so :meth:`ModelRunner.packed_forward`
 runs the root unit's pre- and post-forward hooks around the pass itself, as FSDP2's
@@ -163,9 +164,11 @@ class AdapterDisabled:
 
 def prepare_model(model: nn.Module, cfg: ParallelConfig, *, device: torch.device | str,
                   world_size: int) -> ModelRunner:
-    """``model`` (loaded, LoRA applied) made trainable per ``cfg``, in a fixed order: master-weight cast, activation
-    checkpointing, the varlen attention switch, FSDP2 (:func:`fastgrpo.distributed.parallelize.parallelize_model`),
-    then the compiled block forwards; and the runner that holds what its packed passes need (module doc).
+    """``model`` (loaded, LoRA applied) made trainable per ``cfg``, in a fixed order: the lean norm and MLP forwards
+    (probed while the modules are whole; their ops follow the weights' dtype, so the cast after them keeps them
+    exact), master-weight cast, activation checkpointing, the varlen attention switch, FSDP2
+    (:func:`fastgrpo.distributed.parallelize.parallelize_model`), then the compiled block forwards; and the runner
+    that holds what its packed passes need (module doc).
 
     Compile after FSDP2 is the same program as before it: the compiled function is the block's forward, which
     FSDP2's hooks (on the block's call) surround either way, so collectives stay outside the compiled region."""
