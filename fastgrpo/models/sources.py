@@ -341,8 +341,8 @@ def convert_gguf(path: str | Path, *, cache_dir: str | Path | None = None) -> Pa
             print(f"[fastgrpo] converting again: {problem}", file=sys.stderr, flush=True)
             shutil.rmtree(final)
         check_gguf(path)
-        print(f"[fastgrpo] converting {path.name} to a float32 folder (first use only: about a minute for a 135M "
-              f"model) -> {final}", file=sys.stderr, flush=True)
+        print(f"[fastgrpo] converting {path.name} ({path.stat().st_size / 1e6:.0f} MB) to a float32 folder (first use "
+              f"only; the folder is cached) -> {final}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:
